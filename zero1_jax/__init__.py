@@ -1,0 +1,21 @@
+"""zero1_jax: ZeRO Stage 1 (sharded optimizer state) for JAX.
+
+>>> import jax, optax, zero1_jax as z1
+>>> tx = z1.zero1(optax.adamw(1e-3, weight_decay=0.01), axis_name="data")
+"""
+
+from zero1_jax import inspect
+from zero1_jax.layout import Layout, plan
+from zero1_jax.precision import (DynamicLossScale, LossScaleState, NoLossScale,
+                                 StaticLossScale)
+from zero1_jax.step import init, state_shardings, train_step
+from zero1_jax.transform import (StepInfo, Zero1Config, Zero1State,
+                                 Zero1Transformation, loss_scale, zero1)
+
+__all__ = [
+    "DynamicLossScale", "Layout", "LossScaleState", "NoLossScale",
+    "StaticLossScale", "StepInfo", "Zero1Config", "Zero1State",
+    "Zero1Transformation", "init", "inspect", "loss_scale", "plan",
+    "state_shardings", "train_step", "zero1",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,105 @@
+"""Read what a compiled step costs: per-device memory and collectives.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> f = jax.jit(lambda x: x * 2)
+  >>> collectives(f, jnp.ones(4))
+  {}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
+          "collective-permute")
+_LINE = re.compile(r"=\s*(?P<out>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+                   r"(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
+_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+             "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+             "f64": 8, "c64": 8, "c128": 16}
+
+
+class Collective(NamedTuple):
+  count: int    # ops of this kind in the optimized HLO
+  bytes: int    # size of the full (unsharded) buffers they reduce or gather
+  traffic: int  # ring volume per device in the ZeRO paper's units: all-reduce
+                # counts 2x its buffer, reduce-scatter and all-gather 1x
+
+
+def _bytes(shape_text: str) -> int:
+  total = 0
+  for dt, dims in _SHAPE.findall(shape_text):
+    size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    total += size * _ITEMSIZE.get(dt, 4)
+  return total
+
+
+def _group_size(line: str) -> int:
+  m = _GROUPS_LIST.search(line)
+  if m:
+    return len([x for x in m.group(1).split(",") if x])
+  m = _GROUPS_IOTA.search(line)
+  if m:
+    return int(m.group(2))
+  return 1
+
+
+def hlo_collectives(hlo_text: str) -> dict[str, Collective]:
+  """Counts collectives in optimized HLO text (``compiled.as_text()``)."""
+  out: dict[str, list[int]] = {}
+  for line in hlo_text.splitlines():
+    m = _LINE.search(line)
+    if not m:
+      continue
+    kind, size = m.group("kind"), _bytes(m.group("out"))
+    if kind == "reduce-scatter":
+      size *= _group_size(line)   # the output is one device's piece
+    c = out.setdefault(kind, [0, 0])
+    c[0] += 1
+    c[1] += size
+  return {k: Collective(c, b, 2 * b if k == "all-reduce" else b)
+          for k, (c, b) in sorted(out.items())}
+
+
+def _compiled(fn: Callable, *args, **kwargs):
+  if hasattr(fn, "as_text") and hasattr(fn, "memory_analysis"):
+    return fn
+  return fn.lower(*args, **kwargs).compile()
+
+
+def collectives(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Collective]:
+  """Collectives of a jitted ``fn`` on ``args`` (or of a compiled object)."""
+  return hlo_collectives(_compiled(fn, *args, **kwargs).as_text())
+
+
+def memory(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int]:
+  """Per-device bytes of a jitted ``fn``'s compiled program."""
+  m = _compiled(fn, *args, **kwargs).memory_analysis()
+  keys = ("argument_size_in_bytes", "output_size_in_bytes",
+          "alias_size_in_bytes", "temp_size_in_bytes")
+  out = {k.replace("_size_in_bytes", ""): int(getattr(m, k)) for k in keys}
+  out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+  return out
+
+
+def device_bytes(tree: Any, device=None) -> int:
+  """Bytes of ``tree``'s arrays that live on ``device`` (default: the first
+  device any leaf lives on), measured from ``addressable_shards``."""
+  total = 0
+  for x in __import__("jax").tree.leaves(tree):
+    shards = getattr(x, "addressable_shards", None)
+    if shards is None:
+      total += np.asarray(x).nbytes
+      continue
+    if device is None:
+      device = shards[0].device
+    total += sum(s.data.nbytes for s in shards if s.device == device)
+  return total

@@ -1,0 +1,192 @@
+"""Where every parameter's optimizer state lives: param-shaped shards and bucket plans.
+
+This module is pure Python over shapes and dtypes: no arrays, no collectives.
+
+Design (why param-shaped shards):
+  DeepSpeed flattens all parameters into one padded buffer. That gives an exact
+  1/N split for any shape, but the inner optimizer then sees flat vectors, so
+  masks written against the parameter tree (``x.ndim > 1``, path-based masks)
+  stop working. MaxText shards each leaf on its first divisible dimension, which
+  keeps masks working but leaves odd-shaped leaves replicated.
+
+  zero1_jax keeps one shard *per leaf, with the leaf's rank*: each floating
+  leaf is padded on one dimension (its *shard dim*) to a multiple of N and
+  split there, so every device holds exactly ``ceil(d/N)`` rows of it and the
+  inner optimizer sees a tree with the same structure and ranks as the
+  parameters. The global view of a sharded state leaf is simply the padded
+  parameter, sharded over the data axis on the shard dim, which is what makes
+  checkpoints restorable at another N (unpad, repad).
+
+  Communication is bucketed separately: every device's shards, flattened and
+  concatenated, form one vector of ``S`` elements per dtype; that vector is cut
+  into buckets of at most ``bucket_bytes`` (counting the full N*len buffer a
+  collective moves), and each bucket is one reduce-scatter / all-gather.
+
+Leaf kinds:
+  * ``SHARD``: floating leaf with ndim >= 1 and size > 0. State is 1/N.
+  * ``REPLICATE``: floating scalar (shape ``()``). Too small to split; its
+    gradient is all-reduced and every device updates it identically.
+  * ``STATIC``: non-floating (integer, bool) or zero-size leaves. Passed
+    through untouched; the inner optimizer sees ``None`` there.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+SHARD = "shard"
+REPLICATE = "replicate"
+STATIC = "static"
+
+
+class LeafSpec(NamedTuple):
+  """How one parameter leaf is split across ``num_shards`` devices."""
+
+  kind: str                    # SHARD | REPLICATE | STATIC
+  shape: tuple[int, ...]       # the parameter's shape
+  dtype: np.dtype              # the parameter's dtype
+  dim: int                     # shard dim (-1 unless kind == SHARD)
+  shard_shape: tuple[int, ...]  # one device's piece (== shape unless SHARD)
+  padded_shape: tuple[int, ...]  # global shape of the sharded state leaf
+
+  @property
+  def shard_size(self) -> int:
+    return math.prod(self.shard_shape)
+
+  @property
+  def pad(self) -> int:
+    """Elements of padding this leaf adds over all devices."""
+    return math.prod(self.padded_shape) - math.prod(self.shape)
+
+
+class Segment(NamedTuple):
+  """A run of one leaf's flattened shard that lies in a bucket."""
+
+  leaf: int    # index into Layout.leaves
+  start: int   # first element within the leaf's flattened shard
+  length: int  # elements
+
+
+class Bucket(NamedTuple):
+  """One collective: ``length`` elements per device, ``N * length`` in all."""
+
+  dtype: np.dtype
+  segments: tuple[Segment, ...]
+
+  @property
+  def length(self) -> int:
+    return sum(s.length for s in self.segments)
+
+
+class Layout(NamedTuple):
+  """The split of a parameter tree over ``num_shards`` devices."""
+
+  treedef: Any
+  leaves: tuple[LeafSpec, ...]
+  num_shards: int
+
+  def indices(self, kind: str) -> list[int]:
+    return [i for i, l in enumerate(self.leaves) if l.kind == kind]
+
+  def state_bytes_per_device(self, master_itemsize: int = 4,
+                             copies: int = 3) -> int:
+    """Bytes of ``copies`` state trees (master, mu, nu) held by one device."""
+    n = sum(l.shard_size for l in self.leaves if l.kind != STATIC)
+    return n * master_itemsize * copies
+
+  @property
+  def num_padding(self) -> int:
+    return sum(l.pad for l in self.leaves if l.kind == SHARD)
+
+
+def choose_shard_dim(shape: Sequence[int], n: int) -> int:
+  """The dimension a leaf is split on: the first divisible by ``n``, else the
+  one whose padding to a multiple of ``n`` costs the fewest elements."""
+  for d, size in enumerate(shape):
+    if size % n == 0:
+      return d
+  size = math.prod(shape)
+
+  def padded(d):
+    return size // shape[d] * (-(-shape[d] // n) * n)
+
+  return min(range(len(shape)), key=lambda d: (padded(d), d))
+
+
+def leaf_spec(shape: Sequence[int], dtype: Any, n: int) -> LeafSpec:
+  shape = tuple(int(s) for s in shape)
+  dtype = np.dtype(dtype)
+  floating = jax.numpy.issubdtype(dtype, jax.numpy.floating)
+  if not floating or math.prod(shape) == 0:
+    return LeafSpec(STATIC, shape, dtype, -1, shape, shape)
+  if not shape:
+    return LeafSpec(REPLICATE, shape, dtype, -1, shape, shape)
+  d = choose_shard_dim(shape, n)
+  rows = -(-shape[d] // n)
+  shard = shape[:d] + (rows,) + shape[d + 1:]
+  padded = shape[:d] + (rows * n,) + shape[d + 1:]
+  return LeafSpec(SHARD, shape, dtype, d, shard, padded)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(treedef, shapes, dtypes, n) -> Layout:
+  leaves = tuple(leaf_spec(s, t, n) for s, t in zip(shapes, dtypes))
+  return Layout(treedef, leaves, n)
+
+
+def plan(tree: Any, num_shards: int) -> Layout:
+  """Plans the split of ``tree`` (arrays or ShapeDtypeStructs) over N devices.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> lay = plan({'w': jnp.zeros((5, 3)), 'b': jnp.zeros(())}, 4)
+    >>> [(l.kind, l.shard_shape) for l in lay.leaves]
+    [('replicate', ()), ('shard', (2, 3))]
+  """
+  if num_shards < 1:
+    raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+  leaves, treedef = jax.tree.flatten(tree)
+  shapes = tuple(tuple(np.shape(x)) for x in leaves)
+  dtypes = tuple(np.dtype(x.dtype) for x in leaves)
+  return _plan(treedef, shapes, dtypes, int(num_shards))
+
+
+@functools.lru_cache(maxsize=256)
+def plan_buckets(layout: Layout, dtypes: tuple, bucket_bytes: int
+                 ) -> tuple[Bucket, ...]:
+  """Cuts the per-device shard vector of each dtype into buckets.
+
+  ``dtypes[i]`` is the dtype leaf ``i`` travels in (the gradient dtype for the
+  reduce, the parameter dtype for the gather). A bucket holds at most
+  ``bucket_bytes`` over all N devices, so a dtype group of ``B`` bytes
+  (N times its per-device shard bytes) takes exactly ``ceil(B / bucket_bytes)``
+  collectives; leaves larger than a bucket are cut across buckets.
+  """
+  n = layout.num_shards
+  groups: dict[np.dtype, list[int]] = {}
+  for i, l in enumerate(layout.leaves):
+    if l.kind == SHARD:
+      groups.setdefault(np.dtype(dtypes[i]), []).append(i)
+  buckets = []
+  for dtype, idx in groups.items():
+    cap = max(1, int(bucket_bytes) // (n * dtype.itemsize))
+    segs: list[Segment] = []
+    room = cap
+    for i in idx:
+      start, size = 0, layout.leaves[i].shard_size
+      while start < size:
+        take = min(room, size - start)
+        segs.append(Segment(i, start, take))
+        start += take
+        room -= take
+        if room == 0:
+          buckets.append(Bucket(dtype, tuple(segs)))
+          segs, room = [], cap
+    if segs:
+      buckets.append(Bucket(dtype, tuple(segs)))
+  return tuple(buckets)

@@ -1,0 +1,148 @@
+"""Dynamic loss scaling with DeepSpeed's semantics, as a pure state machine.
+
+DeepSpeed's ``DynamicLossScaler.update_scale`` (deepspeed/runtime/fp16/
+loss_scaler.py) after every optimizer step:
+
+* overflow: if ``hysteresis == 1`` (or the configured hysteresis is 1), the
+  scale is divided by 2, never below ``min_loss_scale``; otherwise the
+  remaining hysteresis is decremented and the scale kept. The step index is
+  remembered as the last overflow. The step itself is skipped.
+* no overflow: with ``consecutive_hysteresis`` the hysteresis is refilled.
+  Let ``stable = step - last_overflow - 1``; when ``stable > 0`` and
+  ``stable % loss_scale_window == 0`` the scale doubles (refilling the
+  hysteresis when not consecutive).
+* the step index advances in both cases.
+
+DeepSpeed raises when an overflow happens at the minimum scale; a jitted step
+cannot raise, so the state keeps the scale at the minimum and
+:class:`zero1_jax.engine.Engine` raises on the host instead.
+
+Example:
+  >>> cfg = DynamicLossScale(initial_scale_power=4, loss_scale_window=2,
+  ...                        hysteresis=1)
+  >>> s = cfg.init()
+  >>> s = cfg.update(s, overflow=True)
+  >>> float(s.scale)
+  8.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class LossScaleState(NamedTuple):
+  """Loss-scaler state; every field is a replicated scalar."""
+
+  scale: jax.Array              # f32[]  current loss scale (1.0 when off)
+  step: jax.Array               # i32[]  DeepSpeed's cur_iter
+  last_overflow: jax.Array      # i32[]  DeepSpeed's last_overflow_iter
+  hysteresis: jax.Array         # i32[]  DeepSpeed's cur_hysteresis
+
+
+@dataclasses.dataclass(frozen=True)
+class NoLossScale:
+  """No loss scaling (fp32 and bf16 training). Steps are never skipped."""
+
+  dynamic: bool = dataclasses.field(default=False, init=False)
+
+  def init(self) -> LossScaleState:
+    return _state(1.0, 1)
+
+  def update(self, state: LossScaleState, overflow) -> LossScaleState:
+    del overflow
+    return state
+
+  @property
+  def skips_on_overflow(self) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+  """A fixed loss scale (DeepSpeed ``fp16.loss_scale`` > 0).
+
+  Like DeepSpeed's static ``LossScaler``, overflowing steps are skipped.
+  """
+
+  scale: float
+  dynamic: bool = dataclasses.field(default=False, init=False)
+
+  def __post_init__(self):
+    if not self.scale > 0:
+      raise ValueError(f"loss scale must be > 0, got {self.scale}")
+
+  def init(self) -> LossScaleState:
+    return _state(self.scale, 1)
+
+  def update(self, state: LossScaleState, overflow) -> LossScaleState:
+    return state._replace(step=state.step + 1)
+
+  @property
+  def skips_on_overflow(self) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+  """DeepSpeed's dynamic loss scaler; the defaults are DeepSpeed's fp16 ones."""
+
+  initial_scale_power: int = 16
+  loss_scale_window: int = 1000
+  hysteresis: int = 2
+  consecutive_hysteresis: bool = False
+  min_loss_scale: float = 1.0
+  scale_factor: float = 2.0
+  dynamic: bool = dataclasses.field(default=True, init=False)
+
+  def __post_init__(self):
+    if self.loss_scale_window < 1:
+      raise ValueError("loss_scale_window must be >= 1, got "
+                       f"{self.loss_scale_window}")
+    if self.hysteresis < 1:
+      raise ValueError(f"hysteresis must be >= 1, got {self.hysteresis}")
+    if not self.min_loss_scale > 0:
+      raise ValueError(f"min_loss_scale must be > 0, got {self.min_loss_scale}")
+
+  def init(self) -> LossScaleState:
+    return _state(2.0 ** self.initial_scale_power, self.hysteresis)
+
+  @property
+  def skips_on_overflow(self) -> bool:
+    return True
+
+  def update(self, state: LossScaleState, overflow) -> LossScaleState:
+    overflow = jnp.asarray(overflow)
+    # Overflow branch.
+    shrink = (self.hysteresis == 1) | (state.hysteresis == 1)
+    o_scale = jnp.where(shrink, jnp.maximum(state.scale / self.scale_factor,
+                                            self.min_loss_scale), state.scale)
+    o_hyst = jnp.where(shrink, state.hysteresis, state.hysteresis - 1)
+    # No-overflow branch.
+    stable = state.step - state.last_overflow - 1
+    grow = (stable > 0) & (stable % self.loss_scale_window == 0)
+    n_scale = jnp.where(grow, state.scale * self.scale_factor, state.scale)
+    refill = jnp.int32(self.hysteresis)
+    if self.consecutive_hysteresis:
+      n_hyst = refill
+    else:
+      n_hyst = jnp.where(grow, refill, state.hysteresis)
+    return LossScaleState(
+        scale=jnp.where(overflow, o_scale, n_scale).astype(jnp.float32),
+        step=state.step + 1,
+        last_overflow=jnp.where(overflow, state.step, state.last_overflow),
+        hysteresis=jnp.where(overflow, o_hyst, n_hyst).astype(jnp.int32))
+
+
+LossScale = NoLossScale | StaticLossScale | DynamicLossScale
+
+
+def _state(scale: float, hysteresis: int) -> LossScaleState:
+  return LossScaleState(scale=jnp.asarray(scale, jnp.float32),
+                        step=jnp.asarray(0, jnp.int32),
+                        last_overflow=jnp.asarray(-1, jnp.int32),
+                        hysteresis=jnp.asarray(hysteresis, jnp.int32))

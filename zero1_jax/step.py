@@ -1,0 +1,182 @@
+"""``init`` and ``train_step``: the shard_map wiring around :func:`zero1`.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, zero1_jax as z1
+  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  >>> params, opt_state = z1.init(tx, {"w": jnp.ones(3)}, mesh)
+  >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+  >>> step = z1.train_step(loss, tx, mesh)
+  >>> batch = {"x": jnp.ones((4, 3)), "y": jnp.zeros(4)}
+  >>> params, opt_state, metrics = step(params, opt_state, batch)
+  >>> sorted(metrics)
+  ['grad_norm', 'loss', 'loss_scale', 'skipped']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zero1_jax import specs as zspecs
+from zero1_jax.transform import Zero1State, Zero1Transformation
+
+
+def _axis_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh) -> int:
+  axis = tx.config.axis_name
+  if axis not in mesh.axis_names:
+    raise ValueError(
+        f"zero1: mesh has axes {tuple(mesh.axis_names)} but the optimizer "
+        f"shards over '{axis}'. Build the mesh with that axis, e.g. "
+        f"jax.make_mesh(({jax.device_count()},), ('{axis}',)), or pass "
+        f"zero1(..., axis_name=<one of {tuple(mesh.axis_names)}>).")
+  return mesh.shape[axis]
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _replicated(mesh, tree):
+  return jax.tree.map(lambda _: P(), tree)
+
+
+def state_shardings(tx: Zero1Transformation, params: Any,
+                    mesh: jax.sharding.Mesh) -> Zero1State:
+  """``NamedSharding``s of ``tx``'s state for ``params`` on ``mesh``."""
+  specs = zspecs.state_specs(tx, params, _axis_size(tx, mesh))
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh
+         ) -> tuple[Any, Zero1State]:
+  """Replicates ``params`` over ``mesh`` and builds the sharded state.
+
+  No device ever holds more than its 1/N of the master copy or moments.
+
+  Returns:
+    ``(params, opt_state)``: params replicated (``P()``), opt_state sharded
+    over ``tx.config.axis_name`` as given by :func:`state_shardings`.
+
+  Raises:
+    ValueError: the mesh lacks the axis, or the inner optimizer is not
+      elementwise.
+  """
+  n = _axis_size(tx, mesh)
+  if tx.config.check_elementwise:
+    zspecs.check_elementwise(tx, params)
+  specs = zspecs.state_specs(tx, params, n)
+  # A fresh copy: the step donates params, and the caller keeps theirs.
+  params = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
+                   out_shardings=NamedSharding(mesh, P()))(params)
+  make = jax.jit(_shard_map(tx.init, mesh, (P(),), specs))
+  return params, make(params)
+
+
+def _split_batch(batch, accum: int, mesh, axis: str):
+  """``(B, ...)`` -> ``(accum, B // accum, ...)`` sharded on dim 1."""
+  sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batch)}
+  if None in sizes or len(sizes) != 1:
+    raise ValueError(f"zero1: every batch leaf needs the same leading (batch) "
+                     f"dimension; got leading sizes {sorted(map(str, sizes))}.")
+  (b,) = sizes
+  n = mesh.shape[axis]
+  if b % (accum * n):
+    raise ValueError(
+        f"zero1: batch size {b} is not divisible by grad_accum_steps "
+        f"({accum}) x data-parallel devices ({n}) = {accum * n}. Use a batch "
+        f"size that is a multiple of {accum * n}.")
+
+  def split(x):
+    x = x.reshape((accum, b // accum) + x.shape[1:])
+    sharding = NamedSharding(mesh, P(None, axis))
+    if _explicit(mesh):
+      return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  return jax.tree.map(split, batch)
+
+
+def _explicit(mesh) -> bool:
+  types = getattr(mesh, "axis_types", None) or ()
+  return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def train_step(loss_fn: Callable, tx: Zero1Transformation,
+               mesh: jax.sharding.Mesh, *, grad_accum_steps: int = 1,
+               has_aux: bool = False, donate: bool = True) -> Callable:
+  """A jitted ZeRO-1 step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss over the batch it
+      is given (or ``(loss, aux)`` with ``has_aux``).
+    tx: from :func:`zero1_jax.zero1`.
+    mesh: a mesh with ``tx.config.axis_name``.
+    grad_accum_steps: the batch's leading axis is split into this many
+      consecutive micro-batches, each split evenly over the data axis in
+      device order; local gradients are summed over micro-batches and reduced
+      once.
+    has_aux: ``aux`` is averaged over micro-batches and devices and returned
+      as ``metrics["aux"]``.
+    donate: donate params and opt_state (the update happens in place).
+
+  Returns:
+    A ``jax.jit`` function (``.lower(...).compile()`` works). ``metrics``:
+    ``loss`` (mean over the global batch), ``grad_norm`` (global, before
+    clipping), ``skipped`` (overflow: nothing changed), ``loss_scale``.
+  """
+  axis = tx.config.axis_name
+  n = _axis_size(tx, mesh)
+  accum = int(grad_accum_steps)
+  if accum < 1:
+    raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+
+  def per_device(params, opt_state: Zero1State, batch):
+    scale = opt_state.loss_scale.scale
+
+    def scaled_loss(p, mb):
+      out = loss_fn(p, mb)
+      loss, aux = out if has_aux else (out, None)
+      return (loss * scale.astype(loss.dtype) / accum).astype(loss.dtype), (loss, aux)
+
+    grad_fn = jax.grad(scaled_loss, has_aux=True, allow_int=True)
+
+    def micro(carry, mb):
+      g, (loss, aux) = grad_fn(params, mb)
+      if carry is None:
+        return g, loss, aux
+      g0, l0, a0 = carry
+      return (jax.tree.map(jnp.add, g0, g), l0 + loss,
+              jax.tree.map(jnp.add, a0, aux))
+
+    first = jax.tree.map(lambda x: x[0], batch)
+    carry = micro(None, first)
+    if accum > 1:
+      rest = jax.tree.map(lambda x: x[1:], batch)
+      carry, _ = jax.lax.scan(lambda c, mb: (micro(c, mb), None), carry, rest)
+    grads, loss, aux = carry
+    grads = jax.tree.map(
+        lambda g, p: g if jnp.issubdtype(p.dtype, jnp.floating)
+        else jnp.zeros(p.shape, p.dtype), grads, params)
+    new_params, new_state, info = tx.apply(grads, opt_state, params)
+    metrics = {"loss": jax.lax.pmean(loss / accum, axis),
+               "grad_norm": info.grad_norm, "skipped": info.skipped,
+               "loss_scale": info.loss_scale}
+    if has_aux:
+      metrics["aux"] = jax.lax.pmean(jax.tree.map(lambda a: a / accum, aux), axis)
+    return new_params, new_state, metrics
+
+  def step(params, opt_state, batch):
+    specs = zspecs.state_specs(tx, params, n)
+    batch = _split_batch(batch, accum, mesh, axis)
+    rep = _replicated(mesh, params)
+    f = _shard_map(per_device, mesh,
+                   (rep, specs, jax.tree.map(lambda _: P(None, axis), batch)),
+                   (rep, specs, P()))
+    return f(params, opt_state, batch)
+
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
