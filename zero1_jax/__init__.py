@@ -4,7 +4,7 @@
 >>> tx = z1.zero1(optax.adamw(1e-3, weight_decay=0.01), axis_name="data")
 """
 
-from zero1_jax import inspect
+from zero1_jax import inspect, specs
 from zero1_jax.layout import Layout, plan
 from zero1_jax.precision import (DynamicLossScale, LossScaleState, NoLossScale,
                                  StaticLossScale)

@@ -17,7 +17,7 @@ import numpy as np
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
           "collective-permute")
-_LINE = re.compile(r"=\s*(?P<out>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+_LINE = re.compile(r"=\s*(?P<out>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
                    r"(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
@@ -28,7 +28,8 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
 
 
 class Collective(NamedTuple):
-  count: int    # ops of this kind in the optimized HLO
+  count: int    # ops of this kind in the optimized HLO (a tuple op counts once:
+                # the CPU backend combines all-reduces, not the others)
   bytes: int    # size of the full (unsharded) buffers they reduce or gather
   traffic: int  # ring volume per device in the ZeRO paper's units: all-reduce
                 # counts 2x its buffer, reduce-scatter and all-gather 1x

@@ -105,8 +105,8 @@ def check_elementwise(tx: Zero1Transformation, params: Any) -> None:
     g = _inner_tree(layout, [jnp.asarray(x) for x in gs])
     state = tx.inner.init(p)
     u, state = tx.inner.update(g, state, p)
-    u2, _ = tx.inner.update(g, state, optax.apply_updates(p, u))
-    return [np.asarray(x) for x in jax.tree.leaves(u2)]
+    u2, state = tx.inner.update(g, state, optax.apply_updates(p, u))
+    return [np.asarray(x) for x in jax.tree.leaves((u, u2, state))]
 
   def half(xs, k):
     return [x if x.ndim == 0 else x[k:k + 1] for x in xs]

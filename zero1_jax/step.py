@@ -67,9 +67,9 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh
       elementwise.
   """
   n = _axis_size(tx, mesh)
+  specs = zspecs.state_specs(tx, params, n)
   if tx.config.check_elementwise:
     zspecs.check_elementwise(tx, params)
-  specs = zspecs.state_specs(tx, params, n)
   # A fresh copy: the step donates params, and the caller keeps theirs.
   params = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
                    out_shardings=NamedSharding(mesh, P()))(params)
@@ -145,8 +145,18 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
 
     grad_fn = jax.grad(scaled_loss, has_aux=True, allow_int=True)
 
+    # Differentiate w.r.t. a varying view of the replicated params: the
+    # gradients stay local and unreduced (under check_vma, the gradient of an
+    # invariant input would be psum'd for us); zero1 reduces them itself.
+    local = jax.tree.map(
+        lambda x: jax.lax.pcast(x, axis, to="varying")
+        if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
     def micro(carry, mb):
-      g, (loss, aux) = grad_fn(params, mb)
+      g, (loss, aux) = grad_fn(local, mb)
+      g = jax.tree.map(   # integer leaves: float0 -> zeros, never used
+          lambda g, p: g if jnp.issubdtype(p.dtype, jnp.floating)
+          else jnp.zeros(p.shape, p.dtype), g, params)
       if carry is None:
         return g, loss, aux
       g0, l0, a0 = carry
@@ -159,9 +169,6 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       rest = jax.tree.map(lambda x: x[1:], batch)
       carry, _ = jax.lax.scan(lambda c, mb: (micro(c, mb), None), carry, rest)
     grads, loss, aux = carry
-    grads = jax.tree.map(
-        lambda g, p: g if jnp.issubdtype(p.dtype, jnp.floating)
-        else jnp.zeros(p.shape, p.dtype), grads, params)
     new_params, new_state, info = tx.apply(grads, opt_state, params)
     metrics = {"loss": jax.lax.pmean(loss / accum, axis),
                "grad_norm": info.grad_norm, "skipped": info.skipped,

@@ -1,0 +1,128 @@
+"""Shared pieces for the tests: a tiny model with awkward leaves, batches,
+meshes, and the two references (unsharded optax, plain data parallel)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+IN, OUT = 5, 3
+
+
+@functools.lru_cache(maxsize=None)
+def mesh(n: int, axis: str = "data"):
+  return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
+
+
+def odd_params(dtype=jnp.float32, seed=0):
+  """Odd shapes (no dim divisible by 2, 4 or 8), a scalar, a zero-size leaf
+  and an integer leaf."""
+  r = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(r.normal(size=s) * 0.5, dtype)
+  return {
+      "dense": {"kernel": f(IN, 7), "bias": f(7)},
+      "out": {"kernel": f(7, OUT), "bias": f(OUT)},
+      "gain": jnp.asarray(1.25, dtype),            # scalar
+      "empty": jnp.zeros((0, 3), dtype),           # zero-size
+      "step_id": jnp.arange(3, dtype=jnp.int32),   # integer: untouched
+  }
+
+
+def float_part(params):
+  return {k: v for k, v in params.items() if k not in ("empty", "step_id")}
+
+
+def loss_fn(params, batch):
+  h = jnp.tanh(batch["x"] @ params["dense"]["kernel"] + params["dense"]["bias"])
+  y = (h @ params["out"]["kernel"] + params["out"]["bias"]) * params["gain"]
+  err = (y.astype(jnp.float32) - batch["y"])
+  if "empty" in params:   # touch the zero-size leaf so it is a real input
+    err = err + jnp.sum(params["empty"]).astype(jnp.float32)
+  return jnp.mean(jnp.square(err))
+
+
+def batch(size: int, seed: int = 1, dtype=jnp.float32):
+  r = np.random.default_rng(seed)
+  return {"x": np.asarray(r.normal(size=(size, IN)), dtype),
+          "y": np.asarray(r.normal(size=(size, OUT)), np.float32)}
+
+
+def optax_run(tx, params, batches, steps=None):
+  """Unsharded optax on the global batch; float leaves only."""
+  p = float_part(params)
+  s = tx.init(p)
+
+  @jax.jit
+  def one(p, s, b):
+    g = jax.grad(loss_fn)(p, b)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  for b in batches:
+    p, s = one(p, s, b)
+  return p
+
+
+def master_run(tx, params, batches):
+  """Unsharded optax on an fp32 master copy of low-precision params: the
+  forward uses the master cast to the param dtype (mixed precision)."""
+  dtypes = jax.tree.map(lambda x: x.dtype, float_part(params))
+  m = jax.tree.map(lambda x: x.astype(jnp.float32), float_part(params))
+  s = tx.init(m)
+
+  @jax.jit
+  def one(m, s, b):
+    low = jax.tree.map(lambda x, d: x.astype(d), m, dtypes)
+    g = jax.grad(loss_fn)(low, b)
+    g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+    u, s = tx.update(g, s, m)
+    return optax.apply_updates(m, u), s
+
+  for b in batches:
+    m, s = one(m, s, b)
+  return jax.tree.map(lambda x, d: x.astype(d), m, dtypes)
+
+
+def ddp_run(tx, params, batches, n):
+  """Plain data parallel: replicated optax state, pmean'd gradients."""
+  msh = mesh(n)
+  p = jax.device_put(float_part(params), NamedSharding(msh, P()))
+  s = jax.jit(tx.init, out_shardings=NamedSharding(msh, P()))(p)
+
+  def per_device(p, s, b):
+    local = jax.lax.pcast(p, "data", to="varying")
+    g = jax.lax.pmean(jax.grad(loss_fn)(local, b), "data")
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(jax.shard_map(per_device, mesh=msh,
+                               in_specs=(P(), P(), P("data")),
+                               out_specs=(P(), P())))
+  for b in batches:
+    b = jax.device_put(b, NamedSharding(msh, P("data")))
+    p, s = step(p, s, b)
+  return p
+
+
+def assert_close(got, want, rtol, what=""):
+  """Per leaf: max |got - want| <= rtol * max(|want|, 1e-3-ish floor)."""
+  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
+    w = functools.reduce(lambda t, k: t[k.key], path, want)
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    scale = max(np.max(np.abs(w), initial=0.0), 1e-3)
+    err = np.max(np.abs(g - w), initial=0.0)
+    assert err <= rtol * scale, (
+        f"{what}{jax.tree_util.keystr(path)}: max error {err:.3g} > "
+        f"{rtol:g} x {scale:.3g}")
+
+
+def assert_equal(got, want, what=""):
+  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
+    w = functools.reduce(lambda t, k: t[k.key], path, want)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w),
+                                  err_msg=f"{what}{jax.tree_util.keystr(path)}")

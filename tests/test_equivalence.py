@@ -1,0 +1,169 @@
+"""ZeRO-1 is optax's math: the same trajectory as unsharded optax and as plain
+data parallel, at N = 1, 2, 4, 8, on a tree with odd shapes, a scalar, a
+zero-size leaf and an integer leaf.
+
+Tolerances:
+* Bitwise whenever the reduced gradients are bitwise equal. ``exact_loss``
+  has gradients that are means of small dyadic numbers, exact in fp32 in any
+  summation order, so every N must reproduce optax bit for bit.
+* Otherwise (a tanh model), the gradient of any two XLA programs can differ in
+  the last ulp (even jit vs. eager on one device), and N devices sum in another
+  order. After 20 steps we require max|p - p_ref| <= 1e-6 x max|p_ref| per
+  leaf: fp32 has 6e-8 relative precision and 20 steps compound it to ~1e-6 at
+  most for these contractive optimizers.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zero1_jax as z1
+from helpers import (assert_close, assert_equal, batch, ddp_run, float_part,
+                     loss_fn, master_run, mesh, odd_params, optax_run)
+
+NS = [1, 2, 4, 8]
+STEPS = 20
+ndim_mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+
+
+def path_mask(p):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "bias" not in jax.tree_util.keystr(path), p)
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_callable_mask": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=ndim_mask),
+    "adamw_path_mask": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=path_mask),
+    "lion": lambda: optax.lion(1e-3, weight_decay=0.01),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "rmsprop": lambda: optax.rmsprop(1e-3),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "inject_schedule": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, STEPS),
+        weight_decay=0.01),
+}
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return [batch(16, seed=s) for s in range(STEPS)]
+
+
+def zero1_run(make_tx, params, batches, n, **kw):
+  tx = z1.zero1(make_tx(), axis_name="data", bucket_bytes=96, **kw)
+  p, s = z1.init(tx, params, mesh(n))
+  step = z1.train_step(loss_fn, tx, mesh(n))
+  for b in batches:
+    p, s, _ = step(p, s, b)
+  return p, s
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_matches_unsharded_optax_and_ddp_at_every_n(name, batches):
+  params = odd_params()
+  ref = optax_run(OPTIMIZERS[name](), params, batches)
+  for n in NS:
+    got, _ = zero1_run(OPTIMIZERS[name], params, batches, n)
+    assert_close(float_part(got), ref, 1e-6, f"{name} N={n} vs optax ")
+    if n in (2, 8):
+      ddp = ddp_run(OPTIMIZERS[name](), params, batches, n)
+      assert_close(float_part(got), ddp, 1e-6, f"{name} N={n} vs DDP ")
+    # Static leaves pass through untouched.
+    np.testing.assert_array_equal(got["step_id"], params["step_id"])
+    assert got["empty"].shape == (0, 3)
+
+
+def exact_loss(params, b):
+  """Linear in params: d/dp = batch mean of b['c'] (dyadic: exact sums)."""
+  total = jnp.float32(0)
+  for i, leaf in enumerate(jax.tree.leaves(float_part(params))):
+    coef = b["c"].mean(0)[i * 8: i * 8 + 8]
+    total = total + jnp.sum(leaf * jnp.resize(coef, leaf.shape))
+  return total
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw_callable_mask", "sgd_momentum"])
+def test_bitwise_when_reduced_gradients_are_bitwise_equal(name):
+  params = odd_params()
+  r = np.random.default_rng(0)
+  bs = [{"c": (r.integers(-8, 8, size=(16, 64)) / 8).astype(np.float32)}
+        for _ in range(10)]
+  tx0 = OPTIMIZERS[name]()
+  p0 = float_part(params)
+  s0 = tx0.init(p0)
+
+  @jax.jit
+  def ref_step(p, s, b):
+    u, s = tx0.update(jax.grad(exact_loss)(p, b), s, p)
+    return optax.apply_updates(p, u), s
+
+  for b in bs:
+    p0, s0 = ref_step(p0, s0, b)
+  for n in NS:
+    tx = z1.zero1(OPTIMIZERS[name](), axis_name="data", bucket_bytes=96)
+    p, s = z1.init(tx, params, mesh(n))
+    step = z1.train_step(exact_loss, tx, mesh(n))
+    for b in bs:
+      p, s, _ = step(p, s, b)
+    assert_equal(float_part(p), p0, f"{name} N={n} ")
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_bf16_params_follow_an_fp32_master(n, batches):
+  params = odd_params(jnp.bfloat16)
+  ref = master_run(optax.adam(1e-2), params, batches[:8])
+  got, state = zero1_run(lambda: optax.adam(1e-2), params, batches[:8], n)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(float_part(got)))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.master))
+  # The params are exactly the fp32 master cast to bf16.
+  for path, m in jax.tree_util.tree_flatten_with_path(state.master)[0]:
+    p = got
+    for k in path:
+      p = p[k.key]
+    m = np.asarray(m)
+    if m.ndim:
+      m = m[tuple(slice(0, s) for s in p.shape)]
+    np.testing.assert_array_equal(np.asarray(p), m.astype(jnp.bfloat16))
+  if n == 1:
+    assert_equal(float_part(got), ref, "bf16 N=1 ")
+  else:
+    # bf16 gradients summed in another order: a bf16 ulp (2^-8) per step.
+    assert_close(float_part(got), ref, 2e-2, "bf16 N=4 ")
+
+
+def test_mixed_dtype_tree(batches):
+  params = odd_params()
+  params["out"] = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params["out"])
+  got, state = zero1_run(lambda: optax.adam(1e-2), params, batches[:5], 4)
+  assert got["out"]["kernel"].dtype == jnp.bfloat16
+  assert got["dense"]["kernel"].dtype == jnp.float32
+  ref = master_run(optax.adam(1e-2), params, batches[:5])
+  assert_close(float_part(got), ref, 2e-2, "mixed ")
+
+
+def test_optax_update_api_inside_shard_map(batches):
+  """tx.update returns updates that apply_updates turns into the new weights."""
+  from jax.sharding import PartitionSpec as P
+  n = 4
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  params = float_part(odd_params())
+  p, s = z1.init(tx, params, mesh(n))
+  specs = z1.specs.state_specs(tx, params, n)
+
+  def per_device(p, s, b):
+    local = jax.lax.pcast(p, "data", to="varying")
+    g = jax.grad(loss_fn)(local, b)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(jax.shard_map(per_device, mesh=mesh(n),
+                               in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs)))
+  for b in batches[:5]:
+    b = jax.device_put(b, jax.sharding.NamedSharding(mesh(n), P("data")))
+    p, s = step(p, s, b)
+  ref = optax_run(optax.adam(1e-2), params, batches[:5])
+  assert_close(p, ref, 1e-6, "update API ")

@@ -1,0 +1,85 @@
+"""The layout is the specification of who holds what: every leaf 1/N exactly."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zero1_jax import layout as lay
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", [(5, 7), (7,), (3, 8, 5), (1, 1), (13, 3)])
+def test_every_sharded_leaf_is_exactly_one_nth_of_its_padded_self(n, shape):
+  spec = lay.leaf_spec(shape, jnp.float32, n)
+  assert spec.kind == lay.SHARD
+  assert math.prod(spec.padded_shape) == n * spec.shard_size
+  assert spec.padded_shape[spec.dim] % n == 0
+  # Padding is on one dim only and less than n rows of it.
+  diffs = [d for d, (a, b) in enumerate(zip(spec.shape, spec.padded_shape)) if a != b]
+  assert diffs in ([], [spec.dim])
+  assert spec.padded_shape[spec.dim] - spec.shape[spec.dim] < n
+
+
+def test_shard_dim_prefers_a_divisible_dim_then_least_padding():
+  assert lay.choose_shard_dim((3, 8), 4) == 1      # divisible: no padding
+  assert lay.choose_shard_dim((8, 8), 4) == 0      # first divisible
+  assert lay.choose_shard_dim((5, 3), 4) == 1      # 5x4=20 < 8x3=24
+  assert lay.choose_shard_dim((9, 3), 4) == 0      # 12x3=36 < 9x4=36: tie -> first
+
+
+def test_leaf_kinds():
+  assert lay.leaf_spec((), jnp.float32, 4).kind == lay.REPLICATE
+  assert lay.leaf_spec((0, 3), jnp.float32, 4).kind == lay.STATIC
+  assert lay.leaf_spec((3,), jnp.int32, 4).kind == lay.STATIC
+  assert lay.leaf_spec((3,), jnp.bfloat16, 4).kind == lay.SHARD
+
+
+def _tree():
+  return {"a": S((5, 7), jnp.float32), "b": S((7,), jnp.float32),
+          "c": S((3, 8, 5), jnp.bfloat16), "d": S((), jnp.float32),
+          "e": S((4,), jnp.int32)}
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("bucket_bytes", [16, 100, 1000, 1 << 30])
+def test_buckets_cover_every_shard_element_once_within_the_bucket_rule(n, bucket_bytes):
+  layout = lay.plan(_tree(), n)
+  dtypes = tuple(l.dtype for l in layout.leaves)
+  buckets = lay.plan_buckets(layout, dtypes, bucket_bytes)
+  seen = {i: np.zeros(l.shard_size, int) for i, l in enumerate(layout.leaves)
+          if l.kind == lay.SHARD}
+  for b in buckets:
+    assert n * b.length * b.dtype.itemsize <= max(bucket_bytes, n * b.dtype.itemsize)
+    for s in b.segments:
+      assert layout.leaves[s.leaf].dtype == b.dtype
+      seen[s.leaf][s.start:s.start + s.length] += 1
+  assert all((v == 1).all() for v in seen.values())
+  # Collective count: ceil(bytes / bucket_bytes) per dtype group.
+  want = 0
+  for dt in {l.dtype for l in layout.leaves if l.kind == lay.SHARD}:
+    per_dev = sum(l.shard_size for l in layout.leaves
+                  if l.kind == lay.SHARD and l.dtype == dt)
+    cap = max(1, bucket_bytes // (n * dt.itemsize))
+    want += -(-per_dev // cap)
+  assert len(buckets) == want
+
+
+def test_plan_is_cached_and_rejects_bad_n():
+  assert lay.plan(_tree(), 4) is lay.plan(_tree(), 4)
+  with pytest.raises(ValueError, match="num_shards"):
+    lay.plan(_tree(), 0)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_bert_base_pads_by_less_than_a_thousandth(n):
+  from experiments import bert
+  cfg = bert.make_config("bert-base-uncased", vocab_size=30522, max_len=512)
+  shapes = jax.eval_shape(lambda: bert.init_params(cfg, jax.random.key(0)))
+  layout = lay.plan(shapes, n)
+  psi = sum(math.prod(l.shape) for l in layout.leaves)
+  assert layout.num_padding <= 1e-3 * psi

@@ -1,0 +1,163 @@
+"""train_step: accumulation, clipping, memory, communication, and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zero1_jax as z1
+from helpers import (assert_close, batch, float_part, loss_fn, mesh,
+                     odd_params, optax_run)
+
+
+def test_four_micro_batches_equal_one_big_batch():
+  params = odd_params()
+  bs = [batch(32, seed=s) for s in range(5)]
+  out = {}
+  for accum in (1, 4):
+    tx = z1.zero1(optax.sgd(0.05, momentum=0.9), axis_name="data")
+    p, s = z1.init(tx, params, mesh(2))
+    step = z1.train_step(loss_fn, tx, mesh(2), grad_accum_steps=accum)
+    for b in bs:
+      p, s, m = step(p, s, b)
+    out[accum] = (float_part(p), m)
+  assert_close(out[4][0], out[1][0], 1e-6, "accum ")
+  np.testing.assert_allclose(out[4][1]["loss"], out[1][1]["loss"], rtol=1e-6)
+  assert_close(out[1][0], optax_run(optax.sgd(0.05, momentum=0.9), params, bs),
+               1e-6, "big batch vs optax ")
+
+
+def test_micro_batches_are_consecutive_and_split_in_device_order():
+  """With rows x[r] = r, B=8, A=2 micro-batches, N=2 devices, each device's
+  micro-batch must be two consecutive rows: {0,1} {2,3} | {4,5} {6,7}. A loss
+  that squares each (device, micro-batch) mean tells the grouping apart from a
+  strided one ({0,2} {1,3} ...)."""
+  n, accum = 2, 2
+  tx = z1.zero1(optax.sgd(1.0), axis_name="data")
+  p, s = z1.init(tx, {"w": jnp.zeros(())}, mesh(n))
+  shapes = set()
+
+  def probe(p, b):
+    shapes.add(b["x"].shape)
+    return p["w"] * jnp.mean(b["x"]) ** 2
+
+  step = z1.train_step(probe, tx, mesh(n), grad_accum_steps=accum)
+  p, s, m = step(p, s, {"x": np.arange(8, dtype=np.float32)})
+  assert shapes == {(2,)}            # 8 rows / 2 micro / 2 devices
+  want = np.mean([0.5 ** 2, 2.5 ** 2, 4.5 ** 2, 6.5 ** 2])   # 17.25
+  np.testing.assert_allclose(p["w"], -want)
+
+
+def test_clipping_equals_unsharded_clip_by_global_norm():
+  params = odd_params()
+  bs = [batch(16, seed=s) for s in range(10)]
+  ref = optax_run(optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+                  params, bs)
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", max_grad_norm=0.5)
+  p, s = z1.init(tx, params, mesh(4))
+  step = z1.train_step(loss_fn, tx, mesh(4))
+  norms = []
+  for b in bs:
+    p, s, m = step(p, s, b)
+    norms.append(float(m["grad_norm"]))
+  assert max(norms) > 0.5          # clipping did trigger
+  assert_close(float_part(p), ref, 1e-6, "clipped ")
+
+
+def test_grad_norm_metric_is_the_global_norm():
+  params = odd_params()
+  b = batch(16)
+  want = optax.tree.norm(jax.grad(loss_fn)(float_part(params), b))
+  tx = z1.zero1(optax.sgd(0.0), axis_name="data")
+  p, s = z1.init(tx, params, mesh(8))
+  _, _, m = z1.train_step(loss_fn, tx, mesh(8))(p, s, b)
+  np.testing.assert_allclose(m["grad_norm"], want, rtol=1e-6)
+  np.testing.assert_allclose(m["loss"], loss_fn(float_part(params), b), rtol=1e-6)
+
+
+def test_has_aux_is_averaged_over_devices():
+  def lf(p, b):
+    return loss_fn(p, b), {"mean_x": jnp.mean(b["x"])}
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  p, s = z1.init(tx, odd_params(), mesh(4))
+  b = batch(16)
+  _, _, m = z1.train_step(lf, tx, mesh(4), has_aux=True)(p, s, b)
+  np.testing.assert_allclose(m["aux"]["mean_x"], b["x"].mean(), rtol=1e-5)
+
+
+def test_accepts_a_batch_already_sharded_over_data():
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  p, s = z1.init(tx, odd_params(), mesh(4))
+  b = jax.device_put(batch(16), NamedSharding(mesh(4), P("data")))
+  _, _, m = z1.train_step(loss_fn, tx, mesh(4))(p, s, b)
+  assert np.isfinite(m["loss"])
+
+
+# ---- bad input -------------------------------------------------------------
+
+def test_mesh_without_the_axis_names_the_fix():
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  bad = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])
+  with pytest.raises(ValueError, match=r"axes \('batch',\).*'data'.*axis_name"):
+    z1.init(tx, odd_params(), bad)
+  with pytest.raises(ValueError, match="'data'"):
+    z1.train_step(loss_fn, tx, bad)
+
+
+def test_batch_not_divisible_by_devices_times_accumulation():
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  p, s = z1.init(tx, odd_params(), mesh(4))
+  step = z1.train_step(loss_fn, tx, mesh(4), grad_accum_steps=2)
+  with pytest.raises(ValueError, match=r"batch size 12 .*grad_accum_steps \(2\) x data-parallel devices \(4\) = 8.*multiple of 8"):
+    step(p, s, batch(12))
+
+
+def test_wrong_tree_in_update_names_the_path():
+  n = 2
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  params = float_part(odd_params())
+  p, s = z1.init(tx, params, mesh(n))
+  specs = z1.specs.state_specs(tx, params, n)
+  bad_grads = {**params, "gain": jnp.ones(2)}
+
+  def f(p, s):
+    return tx.update(bad_grads, s, p)
+
+  with pytest.raises(ValueError, match=r"grads\['gain'\] has shape \(2,\)"):
+    jax.jit(jax.shard_map(f, mesh=mesh(n), in_specs=(P(), specs),
+                          out_specs=(P(), specs)))(p, s)
+  missing = {k: v for k, v in params.items() if k != "gain"}
+  with pytest.raises(ValueError, match="grads tree does not match"):
+    jax.jit(jax.shard_map(lambda p, s: tx.update(missing, s, p), mesh=mesh(n),
+                          in_specs=(P(), specs), out_specs=(P(), specs)))(p, s)
+
+
+def test_init_outside_shard_map_says_how():
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  with pytest.raises(ValueError, match="inside shard_map.*z1.init"):
+    tx.init(odd_params())
+
+
+@pytest.mark.parametrize("inner,why", [
+    (lambda: optax.adafactor(1e-3, min_dim_size_to_factor=2), "not shaped like"),
+    (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), "max_grad_norm"),
+    (lambda: optax.lamb(1e-3), "half a parameter"),
+    (lambda: optax.chain(optax.scale_by_adam(), optax.normalize_by_update_norm()), "half a parameter"),
+])
+def test_non_elementwise_inner_is_refused(inner, why):
+  tx = z1.zero1(inner(), axis_name="data")
+  with pytest.raises(ValueError, match=f"not elementwise.*{why}|{why}.*not elementwise|not elementwise"):
+    z1.init(tx, float_part(odd_params()), mesh(2))
+  with pytest.raises(ValueError, match=why):
+    z1.init(tx, float_part(odd_params()), mesh(2))
+
+
+def test_bad_options():
+  with pytest.raises(ValueError, match="reduce must be"):
+    z1.zero1(optax.adam(1e-3), axis_name="data", reduce="ring")
+  with pytest.raises(ValueError, match="max_grad_norm"):
+    z1.zero1(optax.adam(1e-3), axis_name="data", max_grad_norm=0)
+  with pytest.raises(ValueError, match="bucket_bytes"):
+    z1.zero1(optax.adam(1e-3), axis_name="data", bucket_bytes=0)
