@@ -1,0 +1,1 @@
+"""Command-line tools: zero1-train, zero1-export."""
