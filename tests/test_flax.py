@@ -1,0 +1,100 @@
+"""Flax: linen TrainState and nnx models train exactly as with plain optax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zero1_jax as z1
+import zero1_jax.flax as z1flax
+from helpers import assert_close, mesh
+
+N = 4
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Dense(7)(x))
+    return nn.Dense(3)(x)
+
+
+def batches(k=6):
+  r = np.random.default_rng(0)
+  return [{"x": r.normal(size=(16, 5)).astype(np.float32),
+           "y": r.normal(size=(16, 3)).astype(np.float32)} for _ in range(k)]
+
+
+def test_linen_train_state_matches_flax_train_state():
+  model = MLP()
+  params = model.init(jax.random.key(0), jnp.ones((1, 5)))["params"]
+
+  def loss(p, b):
+    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+  # Reference: plain flax TrainState, unsharded.
+  ref = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                      tx=optax.adamw(1e-2, weight_decay=0.1))
+  ref_step = jax.jit(lambda s, b: s.apply_gradients(grads=jax.grad(loss)(s.params, b)))
+  for b in batches():
+    ref = ref_step(ref, b)
+
+  tx = z1.zero1(optax.adamw(1e-2, weight_decay=0.1), axis_name="data")
+  state = z1flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx,
+                                   mesh=mesh(N))
+  specs = z1flax.state_specs(state, mesh(N))
+
+  def per_device(state, b):
+    local = jax.lax.pcast(state.params, "data", to="varying")
+    return state.apply_gradients(grads=jax.grad(loss)(local, b))
+
+  step = jax.jit(jax.shard_map(per_device, mesh=mesh(N),
+                               in_specs=(specs, P("data")), out_specs=specs))
+  for b in batches():
+    state = step(state, jax.device_put(b, NamedSharding(mesh(N), P("data"))))
+  assert int(state.step) == int(ref.step) == 6
+  assert_close(state.params, ref.params, 1e-6, "linen ")
+
+
+class NnxMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(5, 7, rngs=rngs)
+    self.l2 = nnx.Linear(7, 3, rngs=rngs)
+    self.calls = nnx.Variable(jnp.zeros((), jnp.int32))   # not trained
+
+  def __call__(self, x):
+    return self.l2(jnp.tanh(self.l1(x)))
+
+
+def nnx_loss(model, b):
+  return jnp.mean((model(b["x"]) - b["y"]) ** 2)
+
+
+def test_nnx_trainer_matches_nnx_optimizer():
+  ref_model = NnxMLP(nnx.Rngs(0))
+  opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def ref_step(model, opt, b):
+    grads = nnx.grad(nnx_loss)(model, b)
+    opt.update(model, grads)
+
+  for b in batches():
+    ref_step(ref_model, opt, b)
+
+  model = NnxMLP(nnx.Rngs(0))
+  trainer = z1flax.NnxTrainer(model, z1.zero1(optax.adam(1e-2), axis_name="data"),
+                              mesh(N), nnx_loss)
+  for b in batches():
+    metrics = trainer.train_step(b)
+  assert np.isfinite(metrics["loss"])
+  trainer.update_model(model)
+  got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  want = nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))
+  assert_close(got, want, 1e-6, "nnx ")
+  b = batches(1)[0]
+  np.testing.assert_allclose(model(b["x"]), ref_model(b["x"]), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,123 @@
+"""Flax integration: a linen ``TrainState`` and an nnx trainer.
+
+linen: :class:`TrainState` is ``flax.training.train_state.TrainState`` whose
+``create`` builds the sharded optimizer state on a mesh (``tx.init`` has to
+run inside shard_map) and whose ``apply_gradients`` works inside the sharded
+step without materialising a full update tree. Use :func:`state_specs` for
+the shard_map specs::
+
+    state = z1.flax.TrainState.create(apply_fn=model.apply, params=params,
+                                      tx=tx, mesh=mesh)
+    specs = z1.flax.state_specs(state, mesh)
+
+    def per_device(state, batch):
+      local = jax.lax.pcast(state.params, "data", to="varying")
+      grads = jax.grad(loss)(local, batch)        # local, unreduced
+      return state.apply_gradients(grads=grads)
+
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh,
+                                 in_specs=(specs, P("data")), out_specs=specs))
+
+nnx: ``nnx.Optimizer`` calls ``tx.init`` eagerly at construction, outside any
+shard_map, so it cannot build sharded state. :class:`NnxTrainer` is the small
+adapter: it splits the model into its ``wrt`` variables and the rest, trains
+the former with :func:`zero1_jax.train_step`, and writes them back::
+
+    trainer = z1.flax.NnxTrainer(model, tx, mesh, loss_fn)   # loss_fn(model, batch)
+    metrics = trainer.train_step(batch)
+    trainer.update_model(model)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import PartitionSpec as P
+
+from zero1_jax import specs as zspecs
+from zero1_jax import step as zstep
+from zero1_jax.transform import Zero1Transformation
+
+
+class TrainState(train_state.TrainState):
+  """``flax.training.train_state.TrainState`` for a :func:`zero1_jax.zero1` tx.
+
+  ``params`` are replicated over the mesh, ``opt_state`` is sharded.
+  ``apply_gradients(grads=...)`` must run inside shard_map over the tx's
+  axis, with this device's local (unreduced) gradients.
+  """
+
+  def apply_gradients(self, *, grads, **kwargs):
+    if not isinstance(self.tx, Zero1Transformation):
+      return super().apply_gradients(grads=grads, **kwargs)
+    params, opt_state, _ = self.tx.apply(grads, self.opt_state, self.params)
+    return self.replace(step=self.step + 1, params=params,
+                        opt_state=opt_state, **kwargs)
+
+  @classmethod
+  def create(cls, *, apply_fn, params, tx, mesh: jax.sharding.Mesh | None = None,
+             **kwargs):
+    """Like flax's ``create``; with a zero1 tx, ``mesh`` is required."""
+    if not isinstance(tx, Zero1Transformation):
+      return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    if mesh is None:
+      raise ValueError("TrainState.create with a zero1 optimizer needs "
+                       "mesh=<the data-parallel mesh> to shard its state.")
+    params, opt_state = zstep.init(tx, params, mesh)
+    return cls(step=0, apply_fn=apply_fn, params=params, tx=tx,
+               opt_state=opt_state, **kwargs)
+
+
+def state_specs(state: TrainState, mesh: jax.sharding.Mesh) -> TrainState:
+  """PartitionSpecs of ``state`` for ``shard_map`` in/out specs."""
+  n = mesh.shape[state.tx.config.axis_name]
+  opt = zspecs.state_specs(state.tx, state.params, n)
+  return state.replace(step=P(), params=jax.tree.map(lambda _: P(), state.params),
+                       opt_state=opt)
+
+
+class NnxTrainer:
+  """Trains the ``wrt`` variables of an nnx model with ZeRO-1.
+
+  Args:
+    model: an ``nnx.Module``.
+    tx: from :func:`zero1_jax.zero1`.
+    mesh: the data-parallel mesh.
+    loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss.
+    wrt: which variables to train (default ``nnx.Param``); the others are
+      held constant during the step.
+    **step_kwargs: passed to :func:`zero1_jax.train_step`
+      (``grad_accum_steps``, ``has_aux``).
+  """
+
+  def __init__(self, model: nnx.Module, tx: Zero1Transformation,
+               mesh: jax.sharding.Mesh, loss_fn: Callable[[Any, Any], Any],
+               *, wrt: Any = nnx.Param, **step_kwargs):
+    graphdef, wrt_state, rest = nnx.split(model, wrt, ...)
+    self._template = wrt_state
+
+    def rebuild(pure):
+      state = jax.tree.map(lambda x: x, self._template)
+      nnx.replace_by_pure_dict(state, pure)
+      return state
+
+    def loss(pure, batch):
+      return loss_fn(nnx.merge(graphdef, rebuild(pure), rest), batch)
+
+    self._rebuild = rebuild
+    self.params, self.opt_state = zstep.init(tx, nnx.to_pure_dict(wrt_state),
+                                             mesh)
+    self._step = zstep.train_step(loss, tx, mesh, **step_kwargs)
+
+  def train_step(self, batch) -> dict:
+    """One optimizer step on ``batch``; returns the metrics."""
+    self.params, self.opt_state, metrics = self._step(
+        self.params, self.opt_state, batch)
+    return metrics
+
+  def update_model(self, model: nnx.Module) -> None:
+    """Writes the trained variables back into ``model``."""
+    nnx.update(model, self._rebuild(self.params))
