@@ -1,0 +1,628 @@
+"""Specification of the DeepSpeed-JSON layer (zero1_jax.config, .ds_optim).
+
+Each test names the DeepSpeed rule it pins down; the source file the rule was
+read from is listed in docs/deepspeed_config.md. Expected numbers are written
+out by hand from DeepSpeed's formulas, not computed with the code under test.
+"""
+import copy
+import json
+import logging
+import math
+import pathlib
+import warnings
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zero1_jax.config import (BF16Config, ConfigError, DeepSpeedConfig,
+                              FP16Config, ZeroConfig, load_config)
+from zero1_jax.ds_optim import build_optimizer, build_schedule
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SEED = {
+    "train_batch_size": 32, "gradient_accumulation_steps": 1,
+    "fp16": {"enabled": True},
+    "zero_optimization": {"stage": 1, "allgather_partitions": True,
+                          "allgather_bucket_size": 5e8, "overlap_comm": True,
+                          "contiguous_gradients": True, "reduce_scatter": False},
+    "optimizer": {"type": "Adam", "params": {"lr": 2e-5, "betas": [0.9, 0.999],
+                                             "eps": 1e-8, "weight_decay": 0.01}},
+}
+
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notes():
+  """Info lines are logged once per process; each test starts afresh."""
+  from zero1_jax import config as _config
+  _config._NOTED.clear()
+
+def load(d, ws=1, **over):
+  return load_config({**copy.deepcopy(d), **over}, world_size=ws)
+
+
+def base(**over):
+  return load({"train_batch_size": 8}, **over)
+
+
+def err(d, *needles, ws=1):
+  with pytest.raises(ConfigError) as e:
+    load(d, ws)
+  for n in needles:
+    assert n in str(e.value), (n, str(e.value))
+  return str(e.value)
+
+
+# ----------------------------------------------------------------- seed config
+def test_seed_config_loads_as_is_from_file_and_dict():
+  path = ROOT / "experiments" / "configs" / "ds_zero_stage1.json"
+  assert json.loads(path.read_text()) == SEED
+  cfg = load_config(path, world_size=4)
+  assert cfg == load_config(SEED, world_size=4)
+  assert isinstance(cfg, DeepSpeedConfig) and cfg.source == str(path)
+  assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+          cfg.gradient_accumulation_steps) == (32, 8, 1)
+  assert cfg.zero == ZeroConfig(stage=1, reduce_scatter=False,
+                                allgather_bucket_size=500_000_000,
+                                overlap_comm=True)
+  assert type(cfg.zero.allgather_bucket_size) is int  # 5e8 is a JSON float
+  assert cfg.fp16 == FP16Config(enabled=True) and cfg.bf16 == BF16Config()
+  assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print is None
+  assert cfg.optimizer.type == "Adam" and cfg.optimizer.params["lr"] == 2e-5
+  assert cfg.scheduler is None and cfg.raw == SEED
+
+
+def test_no_effect_keys_log_one_info_line_each(caplog):
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    load(SEED, 4)
+  msgs = [r.getMessage() for r in caplog.records if r.name == "zero1_jax"]
+  for key in ("allgather_partitions", "overlap_comm", "contiguous_gradients"):
+    hits = [m for m in msgs if f"zero_optimization.{key}=" in m]
+    assert len(hits) == 1 and "no effect" in hits[0], (key, msgs)
+  assert not any("reduce_scatter" in m or "bucket_size" in m for m in msgs)
+
+
+# ----------------------------------------------------------------- batch triple
+@pytest.mark.parametrize("given,ws,want", [
+    ((32, 4, 2), 4, (32, 4, 2)),      # all three given: only checked
+    ((32, 4, None), 4, (32, 4, 2)),   # gas = tb // mb // ws
+    ((32, None, 2), 4, (32, 4, 2)),   # mb = tb // ws // gas
+    ((None, 4, 2), 4, (32, 4, 2)),    # tb = mb * gas * ws
+    ((32, None, None), 4, (32, 8, 1)),  # gas = 1, mb = tb // ws
+    ((None, 4, None), 4, (16, 4, 1)),   # gas = 1, tb = mb * ws
+    ((32.0, None, 1.0), 2, (32, 16, 1)),  # integral floats are accepted
+])
+def test_batch_triple_derivation(given, ws, want):
+  keys = ("train_batch_size", "train_micro_batch_size_per_gpu",
+          "gradient_accumulation_steps")
+  cfg = load({k: v for k, v in zip(keys, given) if v is not None}, ws)
+  assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+          cfg.gradient_accumulation_steps, cfg.world_size) == (*want, ws)
+
+
+@pytest.mark.parametrize("d,ws,msg", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 2}, 2, "32 != 4 * 2 * 2"),
+    ({"train_batch_size": 32}, 3, "32 != 10 * 1 * 3"),   # floor division
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2,
+     "30 != 4 * 3 * 2"),
+])
+def test_batch_mismatch_uses_deepspeeds_message(d, ws, msg):
+  err(d, "Check batch related parameters. train_batch_size is not equal to "
+      "micro_batch_per_gpu * gradient_acc_step * world_size", msg, ws=ws)
+
+
+def test_batch_errors():
+  err({"gradient_accumulation_steps": 2}, "Either train_batch_size or "
+      "train_micro_batch_size_per_gpu needs to be provided")
+  err({"train_batch_size": 2}, "Micro batch size per gpu: 0 has to be greater "
+      "than 0", ws=4)
+  err({"train_batch_size": 0}, "Train batch size: 0 has to be greater than 0")
+  err({"train_batch_size": 8, "gradient_accumulation_steps": 0},
+      "Gradient accumulation steps: 0")
+  err({"train_batch_size": 8.5}, "train_batch_size must be an integer")
+  err({"train_batch_size": "auto"}, "'auto' must be filled in")
+
+
+def test_world_size_defaults_to_jax_device_count():
+  assert load_config({"train_micro_batch_size_per_gpu": 2}).world_size == 8
+  assert load_config({"train_micro_batch_size_per_gpu": 2}).train_batch_size == 16
+
+
+# ----------------------------------------------------------------- fp16 / bf16
+def test_fp16_defaults_are_deepspeeds():
+  f = base(fp16={"enabled": True}).fp16
+  assert (f.enabled, f.auto_cast, f.loss_scale, f.initial_scale_power,
+          f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis,
+          f.min_loss_scale) == (True, False, 0.0, 16, 1000, 2, False, 1)
+  assert f.dynamic_loss_scale and f.initial_scale == 65536.0
+  s = base(fp16={"enabled": True, "loss_scale": 128}).fp16
+  assert not s.dynamic_loss_scale and s.initial_scale == 128.0
+  assert base().fp16 == FP16Config(enabled=False)
+
+
+@pytest.mark.parametrize("fp16,needle", [
+    ({"loss_scale": -1}, "fp16.loss_scale must be >= 0"),
+    ({"loss_scale": True}, "fp16.loss_scale must be a finite number"),
+    ({"hysteresis": 0}, "fp16.hysteresis must be >= 1"),
+    ({"loss_scale_window": 0}, "fp16.loss_scale_window must be >= 1"),
+    ({"min_loss_scale": 0.5}, "fp16.min_loss_scale must be an integer"),
+    ({"enabled": "yes"}, "fp16.enabled must be a boolean"),
+    ({"loss_scale_windw": 5}, "unknown key 'loss_scale_windw' in section "
+     "'fp16'; did you mean 'loss_scale_window'"),
+])
+def test_fp16_validation(fp16, needle):
+  err({"train_batch_size": 8, "fp16": fp16}, needle)
+
+
+def test_fp16_auto_is_dropped_and_auto_cast_warns():
+  assert base(fp16={"enabled": "auto", "loss_scale": "auto"}).fp16 == FP16Config()
+  with pytest.warns(UserWarning, match="fp16.auto_cast=True is recognised but "
+                    "not honoured"):
+    assert base(fp16={"enabled": True, "auto_cast": True}).fp16.auto_cast
+
+
+def test_bf16_and_legacy_bfloat16_key():
+  assert base(bf16={"enabled": True}).bf16.enabled
+  assert base(bfloat16={"enabled": True}).bf16.enabled
+  assert not base(bf16={"enabled": False}, bfloat16={"enabled": True}).bf16.enabled
+  err({"train_batch_size": 8, "fp16": {"enabled": True},
+       "bf16": {"enabled": True}},
+      "bfloat16 and fp16 modes cannot be simultaneously enabled")
+  with pytest.warns(UserWarning, match="bf16.check_grad_overflow"):
+    base(bf16={"enabled": True, "check_grad_overflow": True})
+
+
+def test_gradient_clipping():
+  assert base().gradient_clipping == 0.0
+  assert base(gradient_clipping=1).gradient_clipping == 1.0
+  err({"train_batch_size": 8, "gradient_clipping": -1.0},
+      "gradient_clipping must be >= 0")
+
+
+# ----------------------------------------------------------------- zero
+def test_zero_defaults_when_section_absent():
+  assert base().zero == ZeroConfig(
+      stage=0, reduce_scatter=True, reduce_bucket_size=500_000_000,
+      allgather_bucket_size=500_000_000, overlap_comm=False,
+      contiguous_gradients=True, allgather_partitions=True,
+      round_robin_gradients=False, elastic_checkpoint=False)
+
+
+@pytest.mark.parametrize("stage", [2, 3, 4])
+def test_zero_stage_other_than_0_or_1_is_rejected(stage):
+  err({"train_batch_size": 8, "zero_optimization": {"stage": stage}},
+      f"zero_optimization.stage={stage} is not supported")
+
+
+def test_zero_sizes_and_legacy_forms():
+  z = base(zero_optimization={"stage": 1, "reduce_bucket_size": 2e8,
+                              "allgather_bucket_size": 12345}).zero
+  assert (z.reduce_bucket_size, z.allgather_bucket_size) == (200_000_000, 12345)
+  err({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": 5.5}},
+      "zero_optimization.reduce_bucket_size must be an integer")
+  err({"train_batch_size": 8, "zero_optimization": {"allgather_bucket_size": -1}},
+      "must be >= 0")
+  legacy = base(zero_optimization=True, allgather_size=1e6).zero
+  assert (legacy.stage, legacy.allgather_bucket_size) == (1, 1_000_000)
+  assert base(zero_optimization=False).zero.stage == 0
+  err({"train_batch_size": 8, "zero_optimization": {"legacy_stage1": True}},
+      "not supported in deepspeed >= 0.5.9")
+
+
+def test_zero_keys_without_meaning_info_and_unhonoured_warn(caplog):
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    base(zero_optimization={"stage": 1, "round_robin_gradients": True,
+                            "stage3_max_live_parameters": 1e9,
+                            "offload_optimizer": {"device": "none"},
+                            "stage3_prefetch_bucket_size": "auto"})
+  text = caplog.text
+  for key in ("round_robin_gradients", "stage3_max_live_parameters",
+              "offload_optimizer", "stage3_prefetch_bucket_size"):
+    assert text.count(f"zero_optimization.{key}") == 1, key
+  with pytest.warns(UserWarning, match="zero_optimization.offload_optimizer"):
+    base(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}})
+  with pytest.warns(UserWarning, match="zero_quantized_gradients"):
+    base(zero_optimization={"stage": 1, "zero_quantized_gradients": True})
+  err({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_sze": 1}},
+      "unknown key 'reduce_bucket_sze' in section 'zero_optimization'",
+      "did you mean 'reduce_bucket_size'")
+
+
+# ----------------------------------------------------------------- top level
+def test_unknown_top_level_key_suggests_close_match():
+  err({"train_batch_size": 8, "gradient_clip": 1.0},
+      "unknown key 'gradient_clip' in section '<top level>'",
+      "'gradient_clipping'")
+
+
+def test_top_level_no_effect_and_unhonoured_keys(caplog):
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    base(wall_clock_breakdown=True, tensorboard={"enabled": False},
+         prescale_gradients=True)
+  for key in ("wall_clock_breakdown", "tensorboard", "prescale_gradients"):
+    assert caplog.text.count(f"{key}=") == 1, key
+  with pytest.warns(UserWarning, match="tensorboard.*not honoured"):
+    base(tensorboard={"enabled": True, "output_path": "/tmp"})
+  err({"train_batch_size": 8, "elasticity": {"enabled": True}},
+      "elasticity is not supported")
+  err({"train_batch_size": 8, "amp": {"enabled": True},
+       "zero_optimization": {"stage": 1}}, "Amp and ZeRO are not currently "
+      "compatible")
+
+
+def test_steps_per_print_and_communication_data_type():
+  assert base(steps_per_print=10).steps_per_print == 10
+  err({"train_batch_size": 8, "steps_per_print": 0}, "steps_per_print must be")
+  assert base(communication_data_type="FP32").communication_data_type == "fp32"
+  err({"train_batch_size": 8, "communication_data_type": "int8"},
+      "Invalid communication_data_type. Supported data types: "
+      "['fp16', 'bf16', 'fp32']")
+
+
+# ----------------------------------------------------------------- files
+def test_file_errors(tmp_path):
+  missing = tmp_path / "nope.json"
+  with pytest.raises(ConfigError, match="nope.json"):
+    load_config(missing, world_size=1)
+  bad = tmp_path / "bad.json"
+  bad.write_text('{\n  "train_batch_size": 8,\n  "fp16": {enabled: true}\n}')
+  with pytest.raises(ConfigError) as e:
+    load_config(bad, world_size=1)
+  assert "bad.json" in str(e.value) and "line 3 column 12" in str(e.value)
+  dup = tmp_path / "dup.json"
+  dup.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+  with pytest.raises(ConfigError, match="Duplicate keys in DeepSpeed config: "
+                     r"\['train_batch_size'\]"):
+    load_config(dup, world_size=1)
+
+
+def test_raw_and_to_dict_round_trip():
+  cfg = load(SEED, 4)
+  assert cfg.raw == SEED and cfg.raw is not SEED
+  d = cfg.to_dict()
+  assert d["train_micro_batch_size_per_gpu"] == 8
+  assert d["zero_optimization"]["allgather_bucket_size"] == 500_000_000
+  assert load_config(d, world_size=4) == cfg
+  json.dumps(d)
+
+
+# ----------------------------------------------------------------- overrides
+def test_with_overrides():
+  cfg = load(SEED, 4)
+  new = cfg.with_overrides(train_micro_batch_size_per_gpu=8, steps_per_print=5,
+                           gradient_clipping=None, fp16=True)
+  assert new.steps_per_print == 5 and cfg.steps_per_print is None
+  assert new.gradient_clipping == 0.0
+  assert cfg.with_overrides(**{"fp16.loss_scale": 64}).fp16.loss_scale == 64
+  assert cfg.with_overrides(zero_optimization__reduce_bucket_size=10
+                            ).zero.reduce_bucket_size == 10
+  with pytest.raises(ConfigError) as e:
+    cfg.with_overrides(lr=1e-3)
+  assert "lr=0.001" in str(e.value) and "optimizer.params.lr=2e-05" in str(e.value)
+  with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 "
+                     "conflicts with gradient_accumulation_steps=1"):
+    cfg.with_overrides(gradient_accumulation_steps=2)
+  with pytest.raises(ConfigError, match="fp16=False conflicts with "
+                     "fp16.enabled=True"):
+    cfg.with_overrides(fp16=False)
+  with pytest.raises(ConfigError, match="Check batch related parameters"):
+    cfg.with_overrides(train_micro_batch_size_per_gpu=4)  # 32 != 4*1*4
+
+
+# ----------------------------------------------------------------- optimizers
+def opt_cfg(type_, stage=0, sched=None, **params):
+  d = {"train_batch_size": 8, "zero_optimization": {"stage": stage},
+       "optimizer": {"type": type_, "params": params}}
+  if sched:
+    d["scheduler"] = sched
+  return load(d)
+
+
+def run(cfg, grads, p0):
+  """Apply build_optimizer(cfg) for each gradient; returns params per step."""
+  tx = build_optimizer(cfg)
+  p = {"w": jnp.asarray(p0, jnp.float32)}
+  state, out = tx.init(p), []
+  for g in grads:
+    u, state = tx.update({"w": jnp.asarray(g, jnp.float32)}, state, p)
+    p = {"w": p["w"] + u["w"]}
+    out.append(np.asarray(p["w"]))
+  return out, state
+
+
+P0 = np.array([1.0, -2.0, 0.5])
+GRADS = [np.array([0.5, 0.25, -1.0]), np.array([-0.3, 0.8, 0.1]),
+         np.array([0.2, -0.6, 0.4])]
+
+
+def ref_adam(lr, b1, b2, eps, wd, decoupled, bias_correction=True):
+  """torch.optim.Adam / AdamW and DeepSpeed FusedAdam, one param group."""
+  p, m, v, out = P0.copy(), 0 * P0, 0 * P0, []
+  for t, g in enumerate(GRADS, 1):
+    if not decoupled:
+      g = g + wd * p
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1, 1)
+    step = (m / bc1) / (np.sqrt(v / bc2) + eps)
+    p = p - lr * (step + (wd * p if decoupled else 0))
+    out.append(p)
+  return out
+
+
+@pytest.mark.parametrize("type_,params,decoupled,wd", [
+    ("Adam", {"weight_decay": 0.1}, True, 0.1),  # adam_w_mode defaults True
+    ("Adam", {"weight_decay": 0.1, "adam_w_mode": False}, False, 0.1),
+    ("Adam", {"weight_decay": 0.1, "torch_adam": True, "adam_w_mode": False},
+     False, 0.1),
+    ("AdamW", {"weight_decay": 0.1, "adam_w_mode": False}, True, 0.1),
+    ("AdamW", {"torch_adam": True}, True, 0.01),  # torch.optim.AdamW default
+    ("adamw", {}, True, 0.0),                      # FusedAdam default wd = 0
+])
+def test_adam_weight_decay_modes(type_, params, decoupled, wd):
+  got, state = run(opt_cfg(type_, lr=0.1, **params), GRADS, P0)
+  np.testing.assert_allclose(got, ref_adam(0.1, 0.9, 0.999, 1e-8, wd,
+                                           decoupled), rtol=1e-5, atol=1e-6)
+  assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.1)
+
+
+def test_adam_without_bias_correction():
+  got, _ = run(opt_cfg("Adam", lr=0.01, bias_correction=False,
+                       betas=[0.8, 0.9]), GRADS, P0)
+  np.testing.assert_allclose(got, ref_adam(0.01, 0.8, 0.9, 1e-8, 0.0, True,
+                                           bias_correction=False), rtol=1e-5)
+
+
+def test_sgd_torch_semantics():
+  lr, mom, damp, wd = 0.1, 0.9, 0.1, 0.01
+  p, buf, want = P0.copy(), None, []
+  for g in GRADS:  # torch.optim.SGD: L2 decay, buffer starts at g
+    g = g + wd * p
+    buf = g if buf is None else mom * buf + (1 - damp) * g
+    p = p - lr * buf
+    want.append(p)
+  got, _ = run(opt_cfg("SGD", lr=lr, momentum=mom, dampening=damp,
+                       weight_decay=wd), GRADS, P0)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  p, buf, want = P0.copy(), None, []
+  for g in GRADS:
+    buf = g if buf is None else mom * buf + g
+    p = p - lr * (g + mom * buf)  # nesterov
+    want.append(p)
+  got, _ = run(opt_cfg("SGD", lr=lr, momentum=mom, nesterov=True), GRADS, P0)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  err({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {
+      "nesterov": True}}}, "Nesterov momentum requires a momentum")
+
+
+def test_adagrad_torch_semantics():
+  lr, lr_decay, wd, acc0, eps = 0.1, 0.5, 0.01, 0.1, 1e-10
+  p, acc, want = P0.copy(), np.full(3, acc0), []
+  for step, g in enumerate(GRADS, 1):
+    g = g + wd * p
+    acc = acc + g * g
+    p = p - lr / (1 + (step - 1) * lr_decay) * g / (np.sqrt(acc) + eps)
+    want.append(p)
+  got, _ = run(opt_cfg("Adagrad", lr=lr, lr_decay=lr_decay, weight_decay=wd,
+                       initial_accumulator_value=acc0), GRADS, P0)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("centered", [False, True])
+def test_rmsprop_torch_semantics(centered):
+  lr, alpha, eps, mom = 0.01, 0.9, 1e-8, 0.5
+  p, sq, ga, buf, want = P0.copy(), 0 * P0, 0 * P0, 0 * P0, []
+  for g in GRADS:
+    sq = alpha * sq + (1 - alpha) * g * g
+    ga = alpha * ga + (1 - alpha) * g
+    avg = np.sqrt(sq - ga * ga if centered else sq) + eps
+    buf = mom * buf + g / avg
+    p = p - lr * buf
+    want.append(p)
+  got, _ = run(load({"train_batch_size": 8, "optimizer": {
+      "type": "RMSprop", "params": {"lr": lr, "alpha": alpha, "momentum": mom,
+                                    "centered": centered}}}), GRADS, P0)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_lion_decoupled_weight_decay_and_deepspeed_betas():
+  lr, wd, b1, b2 = 0.01, 0.1, 0.9, 0.999  # FusedLion default betas
+  p, m, want = P0.copy(), 0 * P0, []
+  for g in GRADS:
+    c = b1 * m + (1 - b1) * g
+    p = p * (1 - lr * wd) - lr * np.sign(c)
+    m = b2 * m + (1 - b2) * g
+    want.append(p)
+  got, _ = run(opt_cfg("Lion", lr=lr, weight_decay=wd), GRADS, P0)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("type_,needle", [
+    ("Lamb", "needs an elementwise optimizer"),
+    ("OneBitLamb", "needs an elementwise optimizer"),
+    ("Muon", "needs an elementwise optimizer"),
+    ("OneBitAdam", "1bit-Adam is not compatible with ZeRO"),
+    ("MuAdam", "width multipliers"),
+    ("Adafactor", "supported: Adam, AdamW, SGD, Adagrad, Lion, RMSprop"),
+    ("sgd", "did you mean 'SGD'"),
+])
+def test_unsupported_optimizer_types(type_, needle):
+  err({"train_batch_size": 8, "optimizer": {"type": type_}}, needle)
+
+
+def test_optimizer_param_rules(caplog):
+  d = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {}}}
+  d["optimizer"]["params"] = {"max_grad_norm": 1.0}
+  err(d, "'max_grad_norm' is not supported as an optimizer parameter")
+  d["optimizer"]["params"] = {"amsgrad": True}
+  err(d, "AMSGrad")
+  d["optimizer"]["params"] = {"betta": [0.9, 0.99]}
+  err(d, "unknown key 'betta' in section 'optimizer.params'")
+  d["optimizer"]["params"] = {"bias_correction": False, "torch_adam": True}
+  err(d, "unknown key 'bias_correction'")
+  d["optimizer"]["params"] = {"lr": "auto"}
+  err(d, "optimizer.params.lr='auto'")
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    opt_cfg("Adam", set_grad_none=True)
+  assert caplog.text.count("optimizer.params.set_grad_none") == 1
+
+
+def test_untested_zero_optimizer_needs_explicit_opt_in():
+  err({"train_batch_size": 8, "zero_optimization": {"stage": 1},
+       "optimizer": {"type": "SGD"}}, "You are using an untested ZeRO "
+      "Optimizer. Please add <\"zero_allow_untested_optimizer\": true>")
+  assert load({"train_batch_size": 8, "zero_optimization": {"stage": 1},
+               "zero_allow_untested_optimizer": True,
+               "optimizer": {"type": "RMSprop"}}).optimizer.type == "RMSprop"
+  assert opt_cfg("SGD", stage=0).optimizer.type == "SGD"
+  assert opt_cfg("Adagrad", stage=1).optimizer.type == "Adagrad"
+
+
+# ----------------------------------------------------------------- schedules
+def sched(type_, **params):
+  return load({"train_batch_size": 8, "scheduler": {"type": type_,
+                                                    "params": params}}).scheduler
+
+
+def values(s, steps, base_lr=0.0):
+  f = build_schedule(s, base_lr)
+  return [float(f(c)) for c in steps]
+
+
+# Convention: value at count c = lr DeepSpeed uses for the c-th update (0-based)
+# = get_lr() after c calls of scheduler.step(), i.e. last_batch_iteration c-1.
+def test_warmup_lr_log_default():
+  s = sched("WarmupLR", warmup_min_lr=0.0, warmup_max_lr=0.01,
+            warmup_num_steps=10)
+  # 0.01 * ln(c)/ln(10) for 1 <= c <= 10, then 0.01
+  want = [0.0, 0.0, 0.0030102999566, 0.0069897000433, 0.01, 0.01]
+  np.testing.assert_allclose(values(s, [0, 1, 2, 5, 10, 11]), want,
+                             rtol=1e-6, atol=1e-9)
+
+
+def test_warmup_lr_linear_and_max_from_optimizer_lr():
+  s = sched("WarmupLR", warmup_min_lr=0.001, warmup_num_steps=4,
+            warmup_type="linear")
+  want = [0.001, 0.001, 0.0035, 0.006, 0.0085, 0.011, 0.011]
+  np.testing.assert_allclose(values(s, range(7), base_lr=0.011), want,
+                             rtol=1e-6)
+  one = sched("WarmupLR", warmup_max_lr=1.0, warmup_num_steps=1)  # max(2, 1)
+  np.testing.assert_allclose(values(one, [1, 2, 3]), [0.0, 1.0, 1.0], atol=1e-7)
+
+
+def test_warmup_decay_lr():
+  s = sched("WarmupDecayLR", total_num_steps=20, warmup_min_lr=0.0,
+            warmup_max_lr=0.1, warmup_num_steps=5, warmup_type="linear")
+  want = [0.0, 0.0, 0.04, 0.1, 0.0666666667, 0.0066666667, 0.0, 0.0]
+  np.testing.assert_allclose(values(s, [0, 1, 3, 6, 11, 20, 21, 30]), want,
+                             rtol=1e-6, atol=1e-9)
+  # total_num_steps < warmup_num_steps: full warmup, then straight to 0
+  short = sched("WarmupDecayLR", total_num_steps=100)  # 1000 warmup steps
+  np.testing.assert_allclose(values(short, [1000, 1001], base_lr=5.0),
+                             [0.001, 0.0], atol=1e-9)
+  err({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR"}},
+      "scheduler.params.total_num_steps is required")
+
+
+def test_warmup_decay_lr_default_max_is_0_001_not_optimizer_lr():
+  s = sched("WarmupDecayLR", total_num_steps=2000, warmup_num_steps=10)
+  assert values(s, [11], base_lr=5.0)[0] == pytest.approx(0.001, rel=1e-6)
+
+
+def test_warmup_cosine_lr():
+  s = sched("WarmupCosineLR", total_num_steps=12, warmup_num_steps=4,
+            warmup_min_ratio=0.2, cos_min_ratio=0.01, warmup_type="linear")
+  # lr = 0.1 * ratio; step 0 runs at 0.0 (DeepSpeed's get_lr before step())
+  want = [0.0, 0.02, 0.06, 0.096232036859, 0.0315571700962, 0.001, 0.001]
+  np.testing.assert_allclose(values(s, [0, 1, 3, 5, 9, 12, 20], base_lr=0.1),
+                             want, rtol=1e-5, atol=1e-9)
+  log = sched("WarmupCosineLR", total_num_steps=12, warmup_num_steps=4,
+              warmup_min_ratio=0.2)
+  assert values(log, [2], base_lr=0.1)[0] == pytest.approx(0.06, rel=1e-6)
+
+
+def test_one_cycle_lr_and_momentum():
+  cfg = load({"train_batch_size": 8,
+              "optimizer": {"type": "Adam", "params": {"lr": 1.0}},
+              "scheduler": {"type": "OneCycle", "params": {
+                  "cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                  "cycle_first_step_size": 4, "cycle_second_step_size": 6,
+                  "decay_lr_rate": 0.5, "decay_step_size": 2,
+                  "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}}})
+  want = [0.01, 0.055, 0.1, 0.055, 0.01, 0.008, 0.005]
+  steps = [0, 2, 4, 7, 10, 11, 14]
+  np.testing.assert_allclose(values(cfg.scheduler, steps), want, rtol=1e-5)
+  # beta1 is cycled inversely (step 0 keeps cycle_min_mom), beta2 := 0.99
+  tx = build_optimizer(cfg)
+  p = {"w": jnp.ones(2)}
+  state, b1 = tx.init(p), []
+  for _ in range(12):
+    _, state = tx.update({"w": jnp.ones(2)}, state, p)
+    b1.append(float(state.hyperparams["b1"]))
+  np.testing.assert_allclose([b1[i] for i in (0, 2, 4, 7, 11)],
+                             [0.85, 0.90, 0.85, 0.90, 0.95], rtol=1e-6)
+
+
+def test_one_cycle_staircase():
+  s = sched("OneCycle", cycle_min_lr=0.0, cycle_max_lr=1.0,
+            cycle_first_step_size=4, cycle_first_stair_count=2)
+  np.testing.assert_allclose(values(s, range(7)),
+                             [0, 0, 0.5, 0.5, 1.0, 0.5, 0.5], atol=1e-6)
+
+
+def test_lr_range_test():
+  s = sched("LRRangeTest", lr_range_test_min_lr=0.001,
+            lr_range_test_step_size=4, lr_range_test_step_rate=2.0)
+  np.testing.assert_allclose(values(s, [0, 2, 4]), [0.001, 0.002, 0.003],
+                             rtol=1e-6)
+  st = sched("LRRangeTest", lr_range_test_min_lr=0.001,
+             lr_range_test_step_size=4, lr_range_test_step_rate=2.0,
+             lr_range_test_staircase=True)
+  np.testing.assert_allclose(values(st, [0, 2, 4]), [0.001, 0.001, 0.003],
+                             rtol=1e-6)
+
+
+def test_scheduler_drives_injected_learning_rate():
+  cfg = load({"train_batch_size": 8,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+              "scheduler": {"type": "WarmupLR", "params": {
+                  "warmup_num_steps": 4, "warmup_type": "linear"}}})
+  got, state = run(cfg, [np.ones(3)] * 3, np.zeros(3))
+  # lrs for updates 0,1,2: 0, 0, 0.5*1/4 (warmup_max_lr = optimizer lr)
+  np.testing.assert_allclose([g[0] for g in got], [0.0, 0.0, -0.125], atol=1e-7)
+  assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.125)
+
+
+def test_scheduler_validation():
+  err({"train_batch_size": 8, "scheduler": {"type": "StepLR"}},
+      "supported: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle")
+  err({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
+      "warmup_num_steps": 0}}}, "warmup_num_steps must be a positive integer")
+  err({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
+      "warmup_steps": 5}}}, "unknown key 'warmup_steps'")
+  err({"train_batch_size": 8, "scheduler": {"type": "OneCycle"}},
+      "cycle_min_lr is required")
+  with pytest.warns(UserWarning, match="last_batch_iteration"):
+    sched("WarmupLR", last_batch_iteration=5)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    s = sched("WarmupLR", warmup_type="cubic", warmup_num_steps=10)
+  assert values(s, [2], 1.0)[0] == pytest.approx(math.log(2) / math.log(10))
+
+
+def test_every_accepted_key_is_documented():
+  from zero1_jax import config, ds_optim  # pylint: disable=import-outside-toplevel
+  doc = (ROOT / "docs" / "deepspeed_config.md").read_text()
+  keys = set(config._TOP) | {k.split(".", 1)[1] for k in config._NOTES if "." in k}
+  for cls in (config.FP16Config, config.BF16Config, config.ZeroConfig):
+    keys |= {f.name for f in dataclasses.fields(cls)}
+  for spec in (ds_optim._FUSED_ADAM, ds_optim._TORCH_ADAM,
+               *ds_optim._PARAMS.values(), *ds_optim._SCHED_PARAMS.values()):
+    keys |= set(spec)
+  keys |= {"torch_adam", "adam_w_mode", "decoupled_weight_decay",
+           "legacy_fusion", "last_batch_iteration"}
+  missing = sorted(k for k in keys if f"`{k}`" not in doc)
+  assert not missing, missing

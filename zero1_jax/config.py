@@ -1,0 +1,520 @@
+"""DeepSpeed JSON configuration for zero1_jax (DeepSpeed 0.19.x semantics).
+
+`load_config(path_or_dict, world_size)` validates a DeepSpeed config and
+resolves the batch triple as DeepSpeed does. Every key is honoured, accepted
+with one INFO line on logging.getLogger("zero1_jax") (no meaning under XLA),
+accepted with a UserWarning (recognised but not honoured), or rejected with
+ConfigError. docs/deepspeed_config.md is the key-by-key reference.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import logging
+import math
+import os
+import warnings
+from typing import Any, Mapping
+
+logger = logging.getLogger("zero1_jax")
+
+
+class ConfigError(ValueError):
+  """Invalid or unsupported DeepSpeed configuration."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FP16Config:
+  """`fp16`, defaults from deepspeed/runtime/precision_config.py."""
+  enabled: bool = False
+  auto_cast: bool = False
+  loss_scale: float = 0.0  # 0 = dynamic loss scaling
+  initial_scale_power: int = 16
+  loss_scale_window: int = 1000
+  hysteresis: int = 2
+  consecutive_hysteresis: bool = False
+  min_loss_scale: int = 1
+  fp16_master_weights_and_grads: bool = False
+
+  @property
+  def dynamic_loss_scale(self) -> bool:
+    return self.loss_scale == 0
+
+  @property
+  def initial_scale(self) -> float:
+    return 2.0**self.initial_scale_power if self.loss_scale == 0 else float(
+        self.loss_scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class BF16Config:
+  enabled: bool = False
+  immediate_grad_update: bool = False
+  check_grad_overflow: bool = False
+  bf16_master_weights_and_grads: bool = False
+  bf16_optimizer_states: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+  """`zero_optimization` (runtime/zero/config.py); sizes count elements."""
+  stage: int = 0
+  reduce_scatter: bool = True
+  reduce_bucket_size: int = 500_000_000
+  allgather_bucket_size: int = 500_000_000
+  overlap_comm: bool = False  # DeepSpeed default None -> (stage == 3)
+  contiguous_gradients: bool = True
+  allgather_partitions: bool = True
+  round_robin_gradients: bool = False
+  elastic_checkpoint: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  type: str
+  params: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  type: str
+  params: dict = dataclasses.field(default_factory=dict)
+
+
+_ANY, _DICT, _MISSING = object(), object(), object()
+_XLA = "XLA schedules, fuses and overlaps collectives itself"
+_TORCH = "PyTorch/CUDA-specific; no equivalent under JAX/XLA"
+_S3 = "only used by ZeRO stage 3"
+_OFF = "no CPU/NVMe offload under XLA"
+_MON = "DeepSpeed monitoring backend; use jax.profiler / your own logger"
+_NI = "feature not implemented by zero1_jax"
+_PROF = "DeepSpeed timers/profiler; use jax.profiler"
+# Accepted keys without effect: path -> (default, reason). A value equal to the
+# default (_ANY: any value; _DICT: a disabled section) logs one INFO line; any
+# other value is a request we cannot honour and raises a UserWarning.
+_NOTES: dict[str, tuple[Any, str]] = {
+    "wall_clock_breakdown": (_ANY, _PROF), "memory_breakdown": (_ANY, _PROF),
+    "flops_profiler": (_DICT, _PROF), "timers": (_DICT, _PROF),
+    "dump_state": (_ANY, _TORCH),
+    "prescale_gradients": (_ANY, "pre- or post-division give the same mean"),
+    "gradient_predivide_factor": (_ANY, "the mean of the gradients does not "
+                                  "depend on where the division happens"),
+    "sparse_gradients": (_ANY, "JAX gradients are always dense"),
+    "zero_force_ds_cpu_optimizer": (_ANY, _OFF), "aio": (_ANY, _OFF),
+    "disable_allgather": (_ANY, _XLA),
+    "graph_harvesting": (_ANY, "CUDA graphs; XLA compiles the whole step"),
+    "compile": (_ANY, "torch.compile; XLA compiles the whole step"),
+    "vocabulary_size": (_ANY, "tensor-core alignment hint only"),
+    "dataloader_drop_last": (_ANY, "data loading is outside zero1_jax"),
+    "checkpoint": (_ANY, "checkpoints are written with orbax"),
+    "seq_parallel_communication_data_type": (_ANY, "no sequence parallelism"),
+    "allgather_size": (_ANY, "legacy; read only with zero_optimization: true"),
+    "data_types": (_DICT, "gradients accumulate in their own dtype"),
+    "activation_checkpointing": (_DICT, "use jax.checkpoint in the model"),
+    "amp": (_DICT, "Apex AMP is PyTorch-only; use fp16 or bf16"),
+    "torch_autocast": (_DICT, _TORCH),
+    **{k: (_DICT, _MON) for k in ("tensorboard", "wandb", "csv_monitor",
+                                  "comet", "comms_logger")},
+    **{k: (_DICT, _NI) for k in (
+        "hybrid_engine", "autotuning", "progressive_layer_drop",
+        "curriculum_learning", "data_efficiency", "compression_training",
+        "eigenvalue", "sparse_attention", "elasticity")},
+    "fp16.auto_cast": (False, "the model chooses its compute dtype"),
+    "fp16.fp16_master_weights_and_grads": (False, "master weights are fp32"),
+    "bf16.immediate_grad_update": (_ANY, "the update is one XLA program"),
+    **{"bf16." + k: (False, "bf16 keeps fp32 master weights and state and "
+                     "never skips steps") for k in (
+                         "check_grad_overflow", "bf16_master_weights_and_grads",
+                         "bf16_optimizer_states")},
+    "zero_optimization.overlap_comm": (_ANY, _XLA),
+    "zero_optimization.contiguous_gradients": (_ANY, "XLA owns buffer layout"),
+    "zero_optimization.allgather_partitions": (_ANY, "parameters are always "
+                                               "all-gathered, never broadcast"),
+    "zero_optimization.round_robin_gradients": (_ANY, "CPU-offload only"),
+    "zero_optimization.elastic_checkpoint": (_ANY, "orbax checkpoints "
+                                             "reshard to any world size"),
+    "zero_optimization.use_multi_rank_bucket_allreduce": (_ANY, _XLA),
+    "zero_optimization.load_from_fp32_weights": (_ANY, "orbax restores the "
+                                                 "fp32 master weights saved"),
+    "zero_optimization.ignore_unused_parameters": (_ANY, "unused parameters "
+                                                   "get zero gradients in JAX"),
+    "zero_optimization.enable_sanity_checks": (_ANY, _TORCH),
+    "zero_optimization.legacy_stage1": (False, "removed in DeepSpeed 0.5.9"),
+    **{"zero_optimization." + k: (_ANY, _S3) for k in (
+        "sub_group_size", "memory_efficient_linear", "override_module_apply",
+        "pipeline_loading_checkpoint", "log_trace_cache_warnings",
+        "gather_16bit_weights_on_model_save", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance",
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+        "stage3_module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params")},
+    **{"zero_optimization." + k: (v, _OFF) for k, v in (
+        ("offload_optimizer", _DICT), ("offload_param", _DICT),
+        ("cpu_offload", False), ("cpu_offload_param", False),
+        ("cpu_offload_use_pin_memory", _ANY))},
+    **{"zero_optimization." + k: (v, "ZeRO++ / MiCS / ZenFlow: " + _NI)
+       for k, v in (("zero_hpz_partition_size", 1),
+                    ("zero_quantized_weights", False),
+                    ("zero_quantized_nontrainable_weights", False),
+                    ("zero_quantized_gradients", False),
+                    ("zeropp_loco_param", None), ("mics_shard_size", -1),
+                    ("mics_hierarchical_params_gather", False),
+                    ("zenflow", None))},
+}
+_TOP = {"train_batch_size", "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps", "steps_per_print", "gradient_clipping",
+        "fp16", "bf16", "bfloat16", "zero_optimization", "optimizer",
+        "scheduler", "zero_allow_untested_optimizer",
+        "communication_data_type"} | {k for k in _NOTES if "." not in k}
+_MIN = {"fp16.loss_scale": 0, "fp16.loss_scale_window": 1, "fp16.hysteresis": 1,
+        "fp16.min_loss_scale": 1, "zero_optimization.reduce_bucket_size": 0,
+        "zero_optimization.allgather_bucket_size": 0, "gradient_clipping": 0,
+        "steps_per_print": 1}
+_COMM_DTYPES = ("fp16", "bf16", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedConfig:
+  train_batch_size: int
+  train_micro_batch_size_per_gpu: int
+  gradient_accumulation_steps: int
+  world_size: int
+  fp16: FP16Config = FP16Config()
+  bf16: BF16Config = BF16Config()
+  zero: ZeroConfig = ZeroConfig()
+  gradient_clipping: float = 0.0
+  optimizer: OptimizerConfig | None = None
+  scheduler: SchedulerConfig | None = None
+  steps_per_print: int | None = None
+  zero_allow_untested_optimizer: bool = False
+  communication_data_type: str | None = None  # "fp16" | "bf16" | "fp32"
+  raw: dict = dataclasses.field(default_factory=dict, repr=False,
+                                compare=False)  # the dict as given
+  source: str | None = dataclasses.field(default=None, compare=False)
+
+  def to_dict(self) -> dict:
+    """Resolved config as DeepSpeed JSON; load_config() of it is equal."""
+    out = copy.deepcopy(self.raw)
+    for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+              "gradient_accumulation_steps", "gradient_clipping",
+              "zero_allow_untested_optimizer", "steps_per_print",
+              "communication_data_type"):
+      out[k] = getattr(self, k)
+    for k, sec in (("fp16", self.fp16), ("bf16", self.bf16),
+                   ("zero_optimization", self.zero)):
+      old = out.get(k) if isinstance(out.get(k), dict) else {}
+      out[k] = {**old, **dataclasses.asdict(sec)}
+    out.pop("bfloat16", None)
+    for k in ("optimizer", "scheduler"):
+      sec = getattr(self, k)
+      out.pop(k, None)
+      if sec is not None:
+        out[k] = {"type": sec.type, "params": copy.deepcopy(sec.params)}
+    return {k: v for k, v in out.items() if v is not None}
+
+  def with_overrides(self, **flags) -> "DeepSpeedConfig":
+    """Apply command-line flags on top of the JSON and re-validate.
+
+    A flag is a top-level key, a dotted path (`**{"fp16.enabled": True}` or
+    `fp16__enabled=True`), or an alias: lr, zero_stage, fp16=/bf16=<bool>.
+    None values are skipped; a flag that disagrees with a value the JSON sets
+    explicitly raises ConfigError naming both.
+    """
+    raw = copy.deepcopy(self.raw)
+    for name, value in flags.items():
+      if value is None:
+        continue
+      path = _ALIASES.get(name, name.replace("__", "."))
+      if name in ("fp16", "bf16") and isinstance(value, bool):
+        path = name + ".enabled"
+      *parents, leaf = path.split(".")
+      node = raw
+      for k in parents:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+          raise ConfigError(f"flag {name}: '{k}' in the config is not a section")
+      old = node.get(leaf, _MISSING)
+      if old is not _MISSING and not _same(old, value):
+        raise ConfigError(f"flag {name}={value!r} conflicts with {path}={old!r} "
+                          f"in {self.source or 'the config dict'}")
+      node[leaf] = value
+    return _build(raw, self.world_size, self.source)
+
+
+_ALIASES = {"lr": "optimizer.params.lr", "learning_rate": "optimizer.params.lr",
+            "zero_stage": "zero_optimization.stage"}
+
+
+def _same(a, b) -> bool:
+  if isinstance(a, bool) or isinstance(b, bool):
+    return a is b
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    return math.isclose(a, b, rel_tol=1e-12)
+  return a == b
+
+
+def _unknown(key: str, section: str, known) -> ConfigError:
+  close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+  hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+  return ConfigError(f"unknown key '{key}' in section '{section}'{hint}")
+
+
+def _bool(path: str, v, minimum=None) -> bool:
+  del minimum
+  if isinstance(v, bool) or (type(v) is int and v in (0, 1)):
+    return bool(v)
+  raise ConfigError(f"{path} must be a boolean, got {v!r}")
+
+
+def _int(path: str, v, minimum=None) -> int:
+  if isinstance(v, float) and math.isfinite(v) and v == int(v):
+    v = int(v)  # JSON writes 5e8 as a float; DeepSpeed's pydantic accepts it
+  if isinstance(v, bool) or not isinstance(v, int):
+    raise ConfigError(f"{path} must be an integer, got {v!r}")
+  if minimum is not None and v < minimum:
+    raise ConfigError(f"{path} must be >= {minimum}, got {v}")
+  return v
+
+
+def _float(path: str, v, minimum=None) -> float:
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    raise ConfigError(f"{path} must be a finite number, got {v!r}")
+  if minimum is not None and v < minimum:
+    raise ConfigError(f"{path} must be >= {minimum}, got {v!r}")
+  return float(v)
+
+
+def _inactive(v) -> bool:
+  if v is None or v is False or v == 0 or v == "none":
+    return True
+  if isinstance(v, Mapping):
+    if "enabled" in v:
+      return not v["enabled"]
+    if "device" in v:
+      return v["device"] in (None, "none")
+    return all(_inactive(x) for x in v.values())
+  return False
+
+
+_NOTED: set[str] = set()   # info lines already logged in this process
+
+
+def _note(path: str, value) -> None:
+  default, reason = _NOTES[path]
+  if default is _ANY or (_inactive(value) if default is _DICT
+                         else _same(value, default)):
+    key = f"{path}={value!r}"
+    if key not in _NOTED:     # once per process, not once per re-validation
+      _NOTED.add(key)
+      logger.info("%s has no effect: %s", key, reason)
+  else:
+    warnings.warn(f"{path}={value!r} is recognised but not honoured by "
+                  f"zero1_jax: {reason}", UserWarning, stacklevel=4)
+
+
+def _section(raw: Mapping, key: str, cls) -> dict:
+  """Validate one DeepSpeedConfigModel section into `cls` kwargs."""
+  d = raw.get(key)
+  d = {} if d is None else d
+  if not isinstance(d, Mapping):
+    raise ConfigError(f"section '{key}' must be an object, got {d!r}")
+  name = "bf16" if key == "bfloat16" else key
+  fields = {f.name: f.default for f in dataclasses.fields(cls)}
+  notes = {p.split(".", 1)[1] for p in _NOTES if p.startswith(name + ".")}
+  vals = {}
+  for k, v in d.items():
+    path = f"{name}.{k}"
+    if k not in fields and k not in notes:
+      raise _unknown(k, key, set(fields) | notes)
+    if v == "auto":  # DeepSpeedConfigModel drops "auto": the default applies
+      logger.info("zero1_jax: %s='auto' dropped; DeepSpeed's default applies",
+                  path)
+      continue
+    if k in fields:
+      dflt = fields[k]
+      check = _bool if isinstance(dflt, bool) else (
+          _int if isinstance(dflt, int) else _float)
+      v = vals[k] = check(path, v, _MIN.get(path))
+    if path in _NOTES:
+      _note(path, v)
+  return vals
+
+
+def _parse_zero(raw: Mapping) -> ZeroConfig:
+  d = raw.get("zero_optimization")
+  if isinstance(d, bool):  # deprecated form (zero/config.py)
+    logger.warning("DeepSpeedConfig: this format of ZeRO optimization setup is "
+                   "deprecated; use {\"stage\": N}")
+    d = {"stage": int(d)}
+    if d["stage"]:
+      d["allgather_bucket_size"] = raw.get("allgather_size", 5e8)
+    raw = {"zero_optimization": d}
+  if isinstance(d, Mapping) and d.get("legacy_stage1") is True:
+    raise ConfigError("zero_optimization.legacy_stage1: the deprecated version "
+                      "of ZeRO Stage 1 is not supported in deepspeed >= 0.5.9")
+  vals = _section(raw, "zero_optimization", ZeroConfig)
+  stage = vals.get("stage", 0)
+  if stage not in (0, 1):
+    raise ConfigError(
+        f"zero_optimization.stage={stage} is not supported: zero1_jax "
+        "implements ZeRO stage 1 (optimizer-state sharding) and stage 0 (plain "
+        "data parallelism); stages 2/3 also shard gradients/parameters")
+  return ZeroConfig(**vals)
+
+
+def _named(raw: Mapping, key: str, cls):
+  d = raw.get(key)
+  if d is None:
+    return None
+  if not isinstance(d, Mapping):
+    raise ConfigError(f"section '{key}' must be an object, got {d!r}")
+  allowed = {"type", "params"} | ({"legacy_fusion"} if key == "optimizer"
+                                   else set())
+  for k in d:
+    if k not in allowed:
+      raise _unknown(k, key, allowed)
+  if "legacy_fusion" in d:
+    logger.info("zero1_jax: optimizer.legacy_fusion=%r has no effect: it picks"
+                " a fused CUDA kernel", d["legacy_fusion"])
+  if not isinstance(d.get("type"), str):
+    raise ConfigError(f"{key}.type must name the {key}, got {d.get('type')!r}")
+  params = d.get("params") or {}
+  if not isinstance(params, Mapping):
+    raise ConfigError(f"{key}.params must be an object, got {params!r}")
+  for k, v in params.items():
+    if v == "auto":
+      raise ConfigError(f"{key}.params.{k}='auto' must be filled in before "
+                        "loading (the HF Trainer does that, DeepSpeed does not)")
+  return cls(type=d["type"], params=copy.deepcopy(dict(params)))
+
+
+def _resolve_batch(raw: Mapping, ws: int) -> tuple[int, int, int]:
+  """runtime/config.py _set_batch_related_parameters + _batch_assertion."""
+  names = ("train_batch_size", "train_micro_batch_size_per_gpu",
+           "gradient_accumulation_steps")
+  tb, mb, ga = (None if raw.get(k) is None else _int(k, raw[k]) for k in names)
+  if ga is not None and ga <= 0:
+    raise ConfigError(f"Gradient accumulation steps: {ga} has to be greater "
+                      "than 0")
+  if None not in (tb, mb, ga):
+    pass
+  elif tb is not None and mb is not None:
+    ga = tb // mb // ws if mb > 0 else 0
+  elif tb is not None and ga is not None:
+    mb = tb // ws // ga
+  elif mb is not None and ga is not None:
+    tb = mb * ga * ws
+  elif tb is not None:
+    ga, mb = 1, tb // ws
+  elif mb is not None:
+    tb, ga = mb * ws, 1
+  else:
+    raise ConfigError("Either train_batch_size or "
+                      "train_micro_batch_size_per_gpu needs to be provided")
+  for value, what in ((tb, "Train batch size"),
+                      (mb, "Micro batch size per gpu"),
+                      (ga, "Gradient accumulation steps")):
+    if value <= 0:
+      raise ConfigError(f"{what}: {value} has to be greater than 0")
+  if tb != mb * ga * ws:
+    raise ConfigError(
+        "Check batch related parameters. train_batch_size is not equal to "
+        "micro_batch_per_gpu * gradient_acc_step * world_size "
+        f"{tb} != {mb} * {ga} * {ws}")
+  return tb, mb, ga
+
+
+def _build(raw: Mapping, world_size: int | None, source: str | None
+           ) -> DeepSpeedConfig:
+  if not isinstance(raw, Mapping):
+    raise ConfigError("a DeepSpeed config must be a JSON object, got "
+                      f"{type(raw).__name__}")
+  raw = copy.deepcopy(dict(raw))
+  for k, v in raw.items():
+    if k not in _TOP:
+      raise _unknown(k, "<top level>", _TOP)
+    if v == "auto":
+      raise ConfigError(f"{k}='auto' must be filled in before loading (the HF "
+                        "Trainer does that, DeepSpeed does not)")
+  if world_size is None:
+    import jax  # pylint: disable=import-outside-toplevel
+    world_size = jax.device_count()
+  world_size = _int("world_size", world_size, 1)
+  if not _inactive(raw.get("elasticity")):
+    raise ConfigError("elasticity is not supported: it makes DeepSpeed choose "
+                      "the batch sizes; give the batch triple explicitly")
+  fp16 = FP16Config(**_section(raw, "fp16", FP16Config))
+  bf16 = BF16Config(**_section(
+      raw, "bf16" if raw.get("bf16") is not None else "bfloat16", BF16Config))
+  if fp16.enabled and bf16.enabled:
+    raise ConfigError("bfloat16 and fp16 modes cannot be simultaneously "
+                      "enabled (fp16.enabled and bf16.enabled are both true)")
+  zero = _parse_zero(raw)
+  if zero.stage >= 1 and not _inactive(raw.get("amp")):
+    raise ConfigError("Amp and ZeRO are not currently compatible, please use "
+                      "(legacy) fp16 mode which performs similar to amp "
+                      "opt_mode=O2")
+  comm = raw.get("communication_data_type")
+  if comm is not None:
+    if not isinstance(comm, str) or comm.lower() not in _COMM_DTYPES:
+      raise ConfigError("Invalid communication_data_type. Supported data "
+                        f"types: {list(_COMM_DTYPES)}. Got: {comm!r}")
+    comm = comm.lower()
+  for k, v in raw.items():
+    if k in _NOTES:
+      _note(k, v)
+  tb, mb, ga = _resolve_batch(raw, world_size)
+  spp = raw.get("steps_per_print")
+  cfg = DeepSpeedConfig(
+      train_batch_size=tb, train_micro_batch_size_per_gpu=mb,
+      gradient_accumulation_steps=ga, world_size=world_size, fp16=fp16,
+      bf16=bf16, zero=zero, optimizer=_named(raw, "optimizer", OptimizerConfig),
+      scheduler=_named(raw, "scheduler", SchedulerConfig),
+      gradient_clipping=_float("gradient_clipping",
+                               raw.get("gradient_clipping", 0.0), 0),
+      steps_per_print=None if spp is None else _int("steps_per_print", spp, 1),
+      zero_allow_untested_optimizer=_bool(
+          "zero_allow_untested_optimizer",
+          raw.get("zero_allow_untested_optimizer", False)),
+      communication_data_type=comm, raw=raw, source=source)
+  from zero1_jax import ds_optim  # pylint: disable=import-outside-toplevel
+  ds_optim.validate(cfg)
+  return cfg
+
+
+def _no_duplicates(pairs):
+  keys = [k for k, _ in pairs]
+  dup = sorted({k for k in keys if keys.count(k) > 1})
+  if dup:
+    raise ConfigError(f"Duplicate keys in DeepSpeed config: {dup}")
+  return dict(pairs)
+
+
+def load_config(config: str | os.PathLike | Mapping,
+                world_size: int | None = None) -> DeepSpeedConfig:
+  """Parse + validate a DeepSpeed config given as a JSON path or a dict.
+
+  world_size is the data-parallel size used to resolve the batch triple
+  (None: jax.device_count()).
+  """
+  source = None
+  if isinstance(config, (str, os.PathLike)):
+    source = os.fspath(config)
+    try:
+      with open(source, encoding="utf-8") as f:
+        text = f.read()
+    except OSError as e:
+      raise ConfigError(f"cannot read DeepSpeed config {source!r}: "
+                        f"{e.strerror or e}") from e
+    try:
+      config = json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"invalid JSON in {source!r} at line {e.lineno} column "
+                        f"{e.colno} (char {e.pos}): {e.msg}") from e
+    except ConfigError as e:
+      raise ConfigError(f"{source!r}: {e}") from None
+  return _build(config, world_size, source)
