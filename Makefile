@@ -15,8 +15,13 @@ venv: $(BIN)/.installed
 test: venv
 	$(BIN)/python -m pytest -q tests
 
+DEMO_STEPS ?= 300
+
 demo: venv
-	$(BIN)/python -m experiments.demo
+	$(BIN)/zero1-train --num_devices 4 \
+	  --deepspeed experiments/configs/ds_zero_stage1.json \
+	  --model_name_or_path bert-tiny --per_device_train_batch_size 8 \
+	  --max_steps $(DEMO_STEPS) --output_dir ./output
 
 bench: venv
 	$(BIN)/python -m experiments.bench

@@ -1,0 +1,87 @@
+"""zero1-train: the seed's command runs; bad input is one clear line, exit != 0."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zero1_jax.cli import train
+
+SEED_JSON = os.path.join(os.path.dirname(__file__), "..", "experiments",
+                         "configs", "ds_zero_stage1.json")
+
+
+def run(tmp_path, *extra, config=SEED_JSON):
+  args = ["--deepspeed", str(config), "--num_devices", "4",
+          "--model_name_or_path", "bert-tiny", "--per_device_train_batch_size", "2",
+          "--seq_len", "16", "--max_steps", "3", "--no_progress",
+          "--output_dir", str(tmp_path / "out"), *extra]
+  return train.main(args)
+
+
+def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
+  cfg = json.load(open(SEED_JSON))
+  cfg["train_batch_size"] = 8          # 2 per device x 4 devices
+  cfg["fp16"]["initial_scale_power"] = 8
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps(cfg))
+  assert run(tmp_path, config=path) == 0
+  out = capsys.readouterr().out
+  for r in range(4):
+    assert f"[Rank {r}] Zero Stage 1: optimizer state partitioned" in out
+    assert f"[Rank {r}] After : optimizer state" in out and "(1/4)" in out
+  assert "[Rank 0] AllGather bucket size: 500000000" in out
+  assert "weights start random (nothing is downloaded)" in out
+  o = tmp_path / "out"
+  rows = [json.loads(l) for l in open(o / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert (o / "loss_curve.png").stat().st_size > 1000
+  assert (o / "memory.png").stat().st_size > 1000
+  used = json.load(open(o / "ds_config.json"))
+  assert used["fp16"]["enabled"] is True and used["train_batch_size"] == 8
+  summary = json.load(open(o / "summary.json"))
+  rank_bytes = summary["memory"]["zero1_bytes_per_rank"]
+  assert len(rank_bytes) == 4
+  assert max(rank_bytes) * 4 <= summary["memory"]["replicated_bytes"] * 1.01
+
+
+@pytest.mark.parametrize("extra,cfg_edit,message", [
+    ([], None, "Check batch related parameters"),   # 32 != 2 x 1 x 4
+    (["--train_batch_size", "16"], None, "conflicts with train_batch_size=32"),
+    ([], {"optimizer": {"type": "Adamm", "params": {}}}, "Adamm"),
+    ([], {"bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled"),
+    (["--num_devices", "64"], None, "--num_devices 64 but only 8"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, capsys, extra, cfg_edit, message):
+  cfg = json.load(open(SEED_JSON))
+  if cfg_edit:
+    cfg.update(cfg_edit)
+    cfg["train_batch_size"] = 8
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps(cfg))
+  assert run(tmp_path, *extra, config=path) == 2
+  err = capsys.readouterr().err
+  assert message in err, err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_and_invalid_json(tmp_path, capsys):
+  assert run(tmp_path, config=tmp_path / "nope.json") == 2
+  assert "nope.json" in capsys.readouterr().err
+  bad = tmp_path / "bad.json"
+  bad.write_text('{"train_batch_size": 8,,}')
+  assert run(tmp_path, config=bad) == 2
+  err = capsys.readouterr().err
+  assert "invalid JSON" in err and "line 1" in err
+
+
+def test_console_script_exit_code_without_traceback(tmp_path):
+  """The installed entry point, as a user runs it."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "zero1_jax.cli.train", "--deepspeed",
+       str(tmp_path / "missing.json"), "--num_devices", "2"],
+      capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "Traceback" not in proc.stderr and "missing.json" in proc.stderr

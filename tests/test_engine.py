@@ -1,0 +1,113 @@
+"""initialize() / Engine: a DeepSpeed config drives the zero1 step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zero1_jax as z1
+from zero1_jax import engine as zengine
+from zero1_jax.config import ConfigError
+from helpers import assert_close, batch, float_part, loss_fn, mesh, odd_params
+
+SEED_CONFIG = {
+    "train_batch_size": 32, "gradient_accumulation_steps": 1,
+    "fp16": {"enabled": True},
+    "zero_optimization": {"stage": 1, "allgather_partitions": True,
+                          "allgather_bucket_size": 5e8, "overlap_comm": True,
+                          "contiguous_gradients": True, "reduce_scatter": False},
+    "optimizer": {"type": "Adam", "params": {"lr": 2e-5, "betas": [0.9, 0.999],
+                                             "eps": 1e-8, "weight_decay": 0.01}}}
+
+
+def fp32_config(**over):
+  cfg = {"train_batch_size": 16, "zero_optimization": {"stage": 1},
+         "gradient_clipping": 1.0,
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+  cfg.update(over)
+  return cfg
+
+
+def test_seed_config_builds_the_described_transform():
+  cfg = z1.config.load_config(SEED_CONFIG, world_size=4)
+  tx = zengine.build_tx(cfg)
+  assert tx.config.reduce == "all_reduce"                  # reduce_scatter: false
+  assert tx.config.gather_bucket_bytes == int(5e8) * 2     # elements x fp16
+  assert tx.config.loss_scale == z1.DynamicLossScale()      # DeepSpeed defaults
+  assert tx.config.max_grad_norm is None                   # gradient_clipping 0
+
+
+def test_engine_equals_optax_with_clipping_and_accumulation():
+  params = float_part(odd_params())
+  bs = [batch(16, seed=s) for s in range(6)]
+  engine = z1.initialize(fp32_config(gradient_accumulation_steps=2),
+                         loss_fn=loss_fn, params=params, mesh=mesh(4))
+  assert engine.config.train_micro_batch_size_per_gpu == 2
+  for b in bs:
+    m = engine.train_batch(b)
+  assert engine.global_steps == 6 and engine.skipped_steps == 0
+  ref_tx = optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(1e-2, weight_decay=0.1))
+  p, s = params, ref_tx.init(params)
+  for b in bs:
+    u, s = ref_tx.update(jax.grad(loss_fn)(p, b), s, p)
+    p = optax.apply_updates(p, u)
+  assert_close(engine.params, p, 1e-6, "engine ")
+  assert np.isfinite(float(m["loss"]))
+
+
+def test_engine_fp16_keeps_an_fp32_master_and_counts_skips():
+  cfg = {**SEED_CONFIG, "fp16": {"enabled": True, "initial_scale_power": 30,
+                                 "hysteresis": 1}}
+  engine = z1.initialize(cfg, loss_fn=loss_fn, params=float_part(odd_params()),
+                         mesh=mesh(4))
+  assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(engine.params))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(engine.opt_state.master))
+  scales = []
+  for i in range(4):
+    engine.train_batch(batch(32, seed=i))
+    scales.append(engine.loss_scale)
+  assert engine.global_steps == 4
+  assert engine.skipped_steps >= 1          # 2^30 overflows fp16 at first
+  assert scales[0] == 2.0 ** 29
+
+
+def test_engine_raises_like_deepspeed_at_minimum_scale():
+  cfg = {**SEED_CONFIG, "fp16": {"enabled": True, "initial_scale_power": 1,
+                                 "hysteresis": 1, "min_loss_scale": 1}}
+  boom = lambda p, b: loss_fn(p, b) * jnp.inf
+  engine = z1.initialize(cfg, loss_fn=boom, params=float_part(odd_params()),
+                         mesh=mesh(4))
+  engine.train_batch(batch(32))                       # 2 -> 1
+  with pytest.raises(RuntimeError, match="loss scale already at minimum"):
+    engine.train_batch(batch(32))
+
+
+def test_engine_bad_input():
+  engine = z1.initialize(fp32_config(), loss_fn=loss_fn,
+                         params=float_part(odd_params()), mesh=mesh(4))
+  with pytest.raises(ValueError, match=r"\['8'\] != train_batch_size 16"):
+    engine.train_batch(batch(8))
+  with pytest.raises(ConfigError, match="stage"):
+    z1.initialize(fp32_config(zero_optimization={"stage": 3}), loss_fn=loss_fn,
+                  params=float_part(odd_params()), mesh=mesh(4))
+  with pytest.raises(ValueError, match="data axis 'data'"):
+    z1.initialize(fp32_config(), loss_fn=loss_fn, params=float_part(odd_params()),
+                  mesh=jax.make_mesh((2,), ("x",), devices=jax.devices()[:2]))
+
+
+def test_memory_report_is_measured():
+  engine = z1.initialize(fp32_config(), loss_fn=loss_fn,
+                         params=float_part(odd_params()), mesh=mesh(4))
+  r = engine.memory_report()
+  assert r["num_devices"] == 4
+  layout = z1.plan(float_part(odd_params()), 4)
+  shard_elems = sum(l.shard_size for l in layout.leaves)
+  state = (engine.opt_state.master, engine.opt_state.inner)
+  scalars = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim == 0)
+  replicated_params = len(layout.indices(z1.layout.REPLICATE))  # 'gain'
+  hyper = scalars - 12 * replicated_params                  # counts, lr, ...
+  assert r["sharded_bytes"] == 12 * shard_elems + hyper
+  sharded_elems = sum(l.shard_size for l in layout.leaves if l.kind == "shard")
+  assert r["replicated_bytes"] == 12 * (4 * sharded_elems + replicated_params) + hyper

@@ -1,0 +1,104 @@
+"""Pieces the command-line tools share: starting JAX with the right device
+count, the data mesh, the seed's memory log, progress, outputs, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import logging
+import sys
+from typing import Callable
+
+_GB = 1024 ** 3
+
+
+class UsageError(ValueError):
+  """Bad command-line input; reported in one line, exit code 2."""
+
+
+def start_jax(num_devices: int | None):
+  """Returns jax with ``num_devices`` simulated CPU devices when the CPU is
+  the platform (set before the backend starts); GPU hosts use real ones."""
+  if num_devices is not None and num_devices < 1:
+    raise UsageError(f"--num_devices must be >= 1, got {num_devices}")
+  import jax
+  if num_devices:
+    try:
+      jax.config.update("jax_num_cpu_devices", num_devices)
+    except RuntimeError:
+      pass  # backend already started (e.g. in-process tests): data_mesh checks
+  return jax
+
+
+def data_mesh(jax, num_devices: int | None, axis: str = "data"):
+  devices = jax.devices()
+  n = num_devices or len(devices)
+  if n > len(devices):
+    raise UsageError(
+        f"--num_devices {n} but only {len(devices)} {jax.default_backend()} "
+        f"device(s) are available. Use --num_devices {len(devices)} or fewer.")
+  return jax.make_mesh((n,), (axis,), devices=devices[:n])
+
+
+def log_memory(engine, cfg) -> dict:
+  """The seed's per-rank lines, measured from the live sharded arrays."""
+  import jax
+  state = (engine.opt_state.master, engine.opt_state.inner)
+  from zero1_jax import inspect
+  n = engine.mesh.shape[engine.axis_name]
+  before = sum(x.nbytes for x in jax.tree.leaves(state))
+  per_rank = [inspect.device_bytes(state, d) for d in engine.mesh.devices.flat]
+  for r in range(n):
+    print(f"[Rank {r}] Zero Stage 1: optimizer state partitioned")
+    print(f"[Rank {r}] Before: optimizer state {before / _GB:.4g} GB per GPU")
+    print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GB:.4g} GB per "
+          f"GPU (1/{n})")
+    print(f"[Rank {r}] AllGather bucket size: "
+          f"{int(cfg.zero.allgather_bucket_size)}", flush=True)
+  return {"replicated_bytes": before, "zero1_bytes_per_rank": per_rank,
+          "num_devices": n}
+
+
+def progress(total: int, disable: bool = False):
+  from tqdm.auto import tqdm
+  return tqdm(total=total, disable=disable, unit="step", dynamic_ncols=True)
+
+
+def write_outputs(out_dir: str, history: list[dict], mem: dict, engine,
+                  wall: float) -> dict:
+  from experiments import plots
+  plots.loss_curve(history, os.path.join(out_dir, "loss_curve.png"))
+  plots.memory_bars(mem, os.path.join(out_dir, "memory.png"))
+  losses = [h["loss"] for h in history if not h["skipped"]] or [float("nan")]
+  k = max(1, len(losses) // 10)
+  summary = {"steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+             "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k,
+             "wall_s": wall, "memory": mem}
+  with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def setup_logging() -> None:
+  """INFO lines from zero1_jax (config notes), warnings from everything."""
+  log = logging.getLogger("zero1_jax")
+  if not log.handlers:
+    h = logging.StreamHandler()
+    h.setFormatter(logging.Formatter("[zero1_jax] %(message)s"))
+    log.addHandler(h)
+  log.setLevel(logging.INFO)
+  log.propagate = False
+
+
+def guarded(fn: Callable, args, prog: str) -> int:
+  """Runs ``fn(args)``; bad input becomes one line on stderr and exit 2."""
+  from zero1_jax.config import ConfigError
+  try:
+    fn(args)
+  except (UsageError, ConfigError, ValueError, FileNotFoundError) as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return 2
+  except RuntimeError as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return 1
+  return 0

@@ -1,0 +1,190 @@
+"""``initialize()`` and the ``Engine``: a DeepSpeed config, run on a JAX mesh.
+
+Example:
+  >>> import jax, jax.numpy as jnp, zero1_jax as z1
+  >>> cfg = {"train_batch_size": 4, "zero_optimization": {"stage": 1},
+  ...        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> loss = lambda p, b: jnp.mean((b["x"] * p["w"]) ** 2)
+  >>> engine = z1.initialize(config=cfg, loss_fn=loss,
+  ...                        params={"w": jnp.ones(3)}, mesh=mesh)
+  >>> m = engine.train_batch({"x": jnp.ones((4, 3))})
+  >>> engine.global_steps
+  1
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zero1_jax import config as zconfig
+from zero1_jax import ds_optim, inspect, precision
+from zero1_jax import step as zstep
+from zero1_jax.transform import Zero1Transformation, zero1
+
+logger = logging.getLogger("zero1_jax")
+_COMM = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+
+
+def compute_dtype(cfg: zconfig.DeepSpeedConfig):
+  """The parameter dtype the config asks for: float16, bfloat16 or None."""
+  if cfg.fp16.enabled:
+    return jnp.float16
+  if cfg.bf16.enabled:
+    return jnp.bfloat16
+  return None
+
+
+def loss_scale_policy(cfg: zconfig.DeepSpeedConfig) -> precision.LossScale:
+  """DeepSpeed's fp16 section as a :mod:`zero1_jax.precision` policy."""
+  f = cfg.fp16
+  if not f.enabled:
+    return precision.NoLossScale()
+  if not f.dynamic_loss_scale:
+    return precision.StaticLossScale(float(f.loss_scale))
+  return precision.DynamicLossScale(
+      initial_scale_power=f.initial_scale_power,
+      loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
+      consecutive_hysteresis=f.consecutive_hysteresis,
+      min_loss_scale=float(f.min_loss_scale))
+
+
+def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
+             ) -> Zero1Transformation:
+  """The :func:`zero1` transformation a DeepSpeed config describes.
+
+  ``reduce_bucket_size`` / ``allgather_bucket_size`` count elements in
+  DeepSpeed; here they become bytes at the gradient / parameter dtype.
+  """
+  if cfg.zero.stage != 1:
+    raise zconfig.ConfigError(
+        f"zero_optimization.stage is {cfg.zero.stage}; zero1_jax implements "
+        "stage 1 (sharded optimizer state). Set \"stage\": 1.")
+  itemsize = jnp.dtype(compute_dtype(cfg) or jnp.float32).itemsize
+  comm = (_COMM[cfg.communication_data_type]
+          if cfg.communication_data_type else None)
+  return zero1(
+      ds_optim.build_optimizer(cfg), axis_name=axis_name,
+      reduce="reduce_scatter" if cfg.zero.reduce_scatter else "all_reduce",
+      bucket_bytes=int(cfg.zero.reduce_bucket_size) * itemsize,
+      gather_bucket_bytes=int(cfg.zero.allgather_bucket_size) * itemsize,
+      max_grad_norm=cfg.gradient_clipping or None,
+      loss_scale=loss_scale_policy(cfg), reduce_dtype=comm)
+
+
+class Engine:
+  """Holds params, sharded optimizer state and counters; one call a step.
+
+  Attributes:
+    params: replicated parameters (in the fp16/bf16 compute dtype if the
+      config enables one; the fp32 master copy lives in ``opt_state``).
+    opt_state: the sharded :class:`zero1_jax.Zero1State`.
+    global_steps: optimizer steps taken, skipped ones included (DeepSpeed).
+    skipped_steps: steps skipped for fp16 overflow.
+    config, tx, mesh.
+  """
+
+  def __init__(self, config: zconfig.DeepSpeedConfig, loss_fn: Callable,
+               params: Any, mesh: jax.sharding.Mesh, *, axis_name: str = "data",
+               has_aux: bool = False):
+    self.config, self.mesh, self.axis_name = config, mesh, axis_name
+    self.tx = build_tx(config, axis_name)
+    # The fp32 master copy is taken from the params as given, before the cast
+    # to the compute dtype, so nothing is lost.
+    params, self.opt_state = zstep.init(self.tx, params, mesh)
+    low = compute_dtype(config)
+    if low is not None:
+      params = jax.jit(
+          lambda t: jax.tree.map(
+              lambda x: x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating)
+              else x, t), donate_argnums=0)(params)
+    self.params = params
+    self.global_steps = 0
+    self.skipped_steps = 0
+    self._step = zstep.train_step(
+        loss_fn, self.tx, mesh,
+        grad_accum_steps=config.gradient_accumulation_steps, has_aux=has_aux)
+
+  @property
+  def train_batch_size(self) -> int:
+    return self.config.train_batch_size
+
+  def train_batch(self, batch: Any) -> dict:
+    """One optimizer step on ``train_batch_size`` examples.
+
+    Raises:
+      ValueError: the batch's leading dimension is not train_batch_size.
+      RuntimeError: fp16 overflow at the minimum loss scale (as DeepSpeed).
+    """
+    sizes = {np.shape(x)[0] if np.ndim(x) else None
+             for x in jax.tree.leaves(batch)}
+    if sizes != {self.train_batch_size}:
+      raise ValueError(
+          f"train_batch: batch leading dimension(s) {sorted(map(str, sizes))} "
+          f"!= train_batch_size {self.train_batch_size} (= micro batch "
+          f"{self.config.train_micro_batch_size_per_gpu} x accumulation "
+          f"{self.config.gradient_accumulation_steps} x devices "
+          f"{self.config.world_size}).")
+    self.params, self.opt_state, metrics = self._step(
+        self.params, self.opt_state, batch)
+    self.global_steps += 1
+    if bool(metrics["skipped"]):
+      self.skipped_steps += 1
+      f = self.config.fp16
+      if (f.enabled and f.dynamic_loss_scale
+          and float(metrics["loss_scale"]) <= float(f.min_loss_scale)):
+        raise RuntimeError(
+            "Current loss scale already at minimum - cannot decrease scale "
+            f"anymore (fp16.min_loss_scale={f.min_loss_scale}). Lower the "
+            "learning rate, use bf16, or lower fp16.min_loss_scale.")
+    return metrics
+
+  @property
+  def loss_scale(self) -> float:
+    return float(self.opt_state.loss_scale.scale)
+
+  def memory_report(self) -> dict:
+    """Optimizer-state bytes (master copy + moments) measured from the live
+    arrays: what the first device holds, and what every device would hold
+    with the same state replicated (the global arrays' size)."""
+    state = (self.opt_state.master, self.opt_state.inner)
+    return {"sharded_bytes": inspect.device_bytes(state, self.mesh.devices.flat[0]),
+            "replicated_bytes": sum(x.nbytes for x in jax.tree.leaves(state)),
+            "num_devices": self.mesh.shape[self.axis_name]}
+
+
+def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig,
+               loss_fn: Callable, params: Any,
+               mesh: jax.sharding.Mesh | None = None, *, axis_name: str = "data",
+               has_aux: bool = False) -> Engine:
+  """DeepSpeed's ``deepspeed.initialize`` for a JAX loss function.
+
+  Args:
+    config: a DeepSpeed JSON path, dict, or loaded config.
+    loss_fn: ``loss_fn(params, batch) -> mean loss`` over a micro-batch (or
+      ``(loss, aux)`` with ``has_aux``).
+    params: the initial parameter pytree (fp32 recommended: it seeds the
+      fp32 master copy).
+    mesh: default: all devices on one ``axis_name`` axis.
+  """
+  if mesh is None:
+    mesh = jax.make_mesh((jax.device_count(),), (axis_name,))
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; initialize "
+                     f"needs the data axis '{axis_name}' (pass axis_name=).")
+  world = mesh.shape[axis_name]
+  if isinstance(config, zconfig.DeepSpeedConfig):
+    if config.world_size != world:
+      raise zconfig.ConfigError(
+          f"config was resolved for world_size {config.world_size} but the "
+          f"mesh's '{axis_name}' axis has {world} devices.")
+    cfg = config
+  else:
+    cfg = zconfig.load_config(config, world_size=world)
+  return Engine(cfg, loss_fn, params, mesh, axis_name=axis_name, has_aux=has_aux)
