@@ -87,12 +87,17 @@ def test_has_aux_is_averaged_over_devices():
   np.testing.assert_allclose(m["aux"]["mean_x"], b["x"].mean(), rtol=1e-5)
 
 
-def test_accepts_a_batch_already_sharded_over_data():
+@pytest.mark.parametrize("accum", [1, 2])
+def test_accepts_a_batch_already_sharded_over_data(accum):
   tx = z1.zero1(optax.adam(1e-3), axis_name="data")
   p, s = z1.init(tx, odd_params(), mesh(4))
-  b = jax.device_put(batch(16), NamedSharding(mesh(4), P("data")))
-  _, _, m = z1.train_step(loss_fn, tx, mesh(4))(p, s, b)
-  assert np.isfinite(m["loss"])
+  host = batch(16)
+  b = jax.device_put(host, NamedSharding(mesh(4), P("data")))
+  step = z1.train_step(loss_fn, tx, mesh(4), grad_accum_steps=accum, donate=False)
+  _, _, m_sharded = step(p, s, b)
+  _, _, m_host = step(p, s, host)
+  np.testing.assert_allclose(m_sharded["loss"], m_host["loss"], rtol=1e-6)
+  np.testing.assert_allclose(m_sharded["grad_norm"], m_host["grad_norm"], rtol=1e-6)
 
 
 # ---- bad input -------------------------------------------------------------

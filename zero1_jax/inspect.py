@@ -22,6 +22,7 @@ _LINE = re.compile(r"=\s*(?P<out>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
              "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
              "f64": 8, "c64": 8, "c128": 16}
@@ -50,6 +51,10 @@ def _group_size(line: str) -> int:
   m = _GROUPS_IOTA.search(line)
   if m:
     return int(m.group(2))
+  m = _GROUPS_MESH.search(line)   # mesh['a'=4,'b'=2] {'a'}: the named axes
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
   return 1
 
 

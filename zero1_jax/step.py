@@ -91,12 +91,16 @@ def _split_batch(batch, accum: int, mesh, axis: str):
         f"({accum}) x data-parallel devices ({n}) = {accum * n}. Use a batch "
         f"size that is a multiple of {accum * n}.")
 
+  sharding = NamedSharding(mesh, P(None, axis))
+
   def split(x):
-    x = x.reshape((accum, b // accum) + x.shape[1:])
-    sharding = NamedSharding(mesh, P(None, axis))
+    shape = (accum, b // accum) + x.shape[1:]
     if _explicit(mesh):
+      # Explicit axes: a reshape of a sharded dim must name its output sharding.
+      # Host (unsharded) input comes out replicated: reshard slices locally.
+      x = jax.lax.reshape(x, shape, out_sharding=sharding)
       return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.lax.with_sharding_constraint(x.reshape(shape), sharding)
 
   return jax.tree.map(split, batch)
 
