@@ -30,10 +30,10 @@ def loss_curve(history: list[dict], path: str) -> None:
 
 def memory_bars(mem: dict, path: str) -> None:
   n = mem["num_devices"]
-  ranks = list(range(n))
+  ranks = mem.get("ranks", list(range(n)))
   fig, ax = plt.subplots(figsize=(6, 3.5))
   w = 0.4
-  ax.bar([r - w / 2 for r in ranks], [mem["replicated_bytes"] / _MB] * n, w,
+  ax.bar([r - w / 2 for r in ranks], [mem["replicated_bytes"] / _MB] * len(ranks), w,
          label="replicated (DDP)")
   ax.bar([r + w / 2 for r in ranks],
          [b / _MB for b in mem["zero1_bytes_per_rank"]], w, label="ZeRO-1")

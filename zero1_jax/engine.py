@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero1_jax import config as zconfig
-from zero1_jax import ds_optim, inspect, precision
+from zero1_jax import distributed, ds_optim, inspect, precision
 from zero1_jax import step as zstep
 from zero1_jax.transform import Zero1Transformation, zero1
 
@@ -107,6 +107,7 @@ class Engine:
     self.params = params
     self.global_steps = 0
     self.skipped_steps = 0
+    self._ckpts: dict = {}
     self._step = zstep.train_step(
         loss_fn, self.tx, mesh,
         grad_accum_steps=config.gradient_accumulation_steps, has_aux=has_aux)
@@ -117,6 +118,9 @@ class Engine:
 
   def train_batch(self, batch: Any) -> dict:
     """One optimizer step on ``train_batch_size`` examples.
+
+    In a multi-process run every process passes the same global batch and
+    feeds only its own devices' rows (``jax.make_array_from_process_local_data``).
 
     Raises:
       ValueError: the batch's leading dimension is not train_batch_size.
@@ -131,6 +135,8 @@ class Engine:
           f"{self.config.train_micro_batch_size_per_gpu} x accumulation "
           f"{self.config.gradient_accumulation_steps} x devices "
           f"{self.config.world_size}).")
+    if jax.process_count() > 1:   # each process keeps only its own rows
+      batch = distributed.global_batch(batch, self.mesh, self.axis_name)
     self.params, self.opt_state, metrics = self._step(
         self.params, self.opt_state, batch)
     self.global_steps += 1
@@ -144,6 +150,48 @@ class Engine:
             f"anymore (fp16.min_loss_scale={f.min_loss_scale}). Lower the "
             "learning rate, use bf16, or lower fp16.min_loss_scale.")
     return metrics
+
+  # -- checkpoints (orbax; see zero1_jax.checkpoint) -------------------------
+
+  def _checkpointer(self, directory, max_to_keep=None):
+    from zero1_jax import checkpoint
+    key = os.path.abspath(os.fspath(directory))
+    if key not in self._ckpts:
+      self._ckpts[key] = checkpoint.Checkpointer(key, max_to_keep=max_to_keep)
+    return self._ckpts[key]
+
+  def save_checkpoint(self, save_dir, tag: int | None = None, *,
+                      extra: dict | None = None,
+                      max_to_keep: int | None = None) -> int:
+    """Saves params, sharded state, loss scale, counters and the config.
+
+    Each device writes only its own shards; the save is asynchronous (the
+    next step may start at once; :meth:`wait_checkpoints` blocks). ``tag``
+    is the step number to save under (default: ``global_steps``).
+    """
+    step = self.global_steps if tag is None else int(tag)
+    extra = {"global_steps": self.global_steps,
+             "skipped_steps": self.skipped_steps, **(extra or {})}
+    self._checkpointer(save_dir, max_to_keep).save(
+        step, self.params, self.opt_state, extra=extra,
+        config=self.config.to_dict(), force=True)
+    return step
+
+  def load_checkpoint(self, load_dir, tag: int | None = None, *,
+                      fallback_to_valid: bool = False) -> dict:
+    """Restores the newest (or ``tag``) checkpoint, at this engine's N
+    whatever N it was saved at; returns the saved ``extra``."""
+    ckpt = self._checkpointer(load_dir)
+    self.params, self.opt_state, extra = ckpt.restore(
+        tag, self.tx, self.params, self.mesh,
+        fallback_to_valid=fallback_to_valid)
+    self.global_steps = int(extra.get("global_steps", 0))
+    self.skipped_steps = int(extra.get("skipped_steps", 0))
+    return extra
+
+  def wait_checkpoints(self) -> None:
+    for c in self._ckpts.values():
+      c.wait()
 
   @property
   def loss_scale(self) -> float:
@@ -162,7 +210,9 @@ class Engine:
 def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig,
                loss_fn: Callable, params: Any,
                mesh: jax.sharding.Mesh | None = None, *, axis_name: str = "data",
-               has_aux: bool = False) -> Engine:
+               has_aux: bool = False, coordinator_address: str | None = None,
+               num_processes: int | None = None, process_id: int | None = None
+               ) -> Engine:
   """DeepSpeed's ``deepspeed.initialize`` for a JAX loss function.
 
   Args:
@@ -171,8 +221,12 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig,
       ``(loss, aux)`` with ``has_aux``).
     params: the initial parameter pytree (fp32 recommended: it seeds the
       fp32 master copy).
-    mesh: default: all devices on one ``axis_name`` axis.
+    mesh: default: all devices (of all processes) on one ``axis_name`` axis.
+    coordinator_address, num_processes, process_id: join a multi-process
+      runtime first (:func:`zero1_jax.distributed.initialize`); must come
+      before anything touches the devices.
   """
+  distributed.initialize(coordinator_address, num_processes, process_id)
   if mesh is None:
     mesh = jax.make_mesh((jax.device_count(),), (axis_name,))
   if axis_name not in mesh.axis_names:

@@ -41,27 +41,53 @@ def data_mesh(jax, num_devices: int | None, axis: str = "data"):
 
 
 def log_memory(engine, cfg) -> dict:
-  """The seed's per-rank lines, measured from the live sharded arrays."""
+  """The seed's per-rank lines, measured from the live sharded arrays; each
+  process reports the ranks (devices) it holds."""
   import jax
-  state = (engine.opt_state.master, engine.opt_state.inner)
+
   from zero1_jax import inspect
+  state = (engine.opt_state.master, engine.opt_state.inner)
   n = engine.mesh.shape[engine.axis_name]
   before = sum(x.nbytes for x in jax.tree.leaves(state))
-  per_rank = [inspect.device_bytes(state, d) for d in engine.mesh.devices.flat]
-  for r in range(n):
+  per_rank = {}
+  for r, d in enumerate(engine.mesh.devices.flat):
+    if d.process_index != jax.process_index():
+      continue
+    per_rank[r] = inspect.device_bytes(state, d)
     print(f"[Rank {r}] Zero Stage 1: optimizer state partitioned")
     print(f"[Rank {r}] Before: optimizer state {before / _GB:.4g} GB per GPU")
     print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GB:.4g} GB per "
           f"GPU (1/{n})")
     print(f"[Rank {r}] AllGather bucket size: "
           f"{int(cfg.zero.allgather_bucket_size)}", flush=True)
-  return {"replicated_bytes": before, "zero1_bytes_per_rank": per_rank,
-          "num_devices": n}
+  return {"replicated_bytes": before, "ranks": list(per_rank),
+          "zero1_bytes_per_rank": list(per_rank.values()), "num_devices": n}
 
 
-def progress(total: int, disable: bool = False):
+def progress(total: int, initial: int = 0, disable: bool = False):
   from tqdm.auto import tqdm
-  return tqdm(total=total, disable=disable, unit="step", dynamic_ncols=True)
+  return tqdm(total=total, initial=initial, disable=disable, unit="step",
+              dynamic_ncols=True)
+
+
+def read_history(out_dir: str, upto_step: int) -> list[dict]:
+  """Metric rows already written for steps <= upto_step (a resumed run);
+  the file is rewritten without rows a crashed run wrote past that step."""
+  path = os.path.join(out_dir, "metrics.jsonl")
+  rows = []
+  if upto_step and os.path.exists(path):
+    with open(path) as f:
+      rows = [r for r in map(json.loads, filter(str.strip, f))
+              if r["step"] <= upto_step]
+  if os.path.isdir(out_dir):
+    with open(path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  return rows
+
+
+def append_metrics(out_dir: str, row: dict) -> None:
+  with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps(row) + "\n")
 
 
 def write_outputs(out_dir: str, history: list[dict], mem: dict, engine,

@@ -46,63 +46,118 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--logging_steps", type=int, default=10)
   p.add_argument("--no_progress", action="store_true",
                  help="no progress bar (log lines instead)")
+  c = p.add_argument_group("checkpoints (orbax)")
+  c.add_argument("--save_steps", type=int, default=0, help="save every K "
+                 "optimizer steps (and at the end) to OUTPUT_DIR/checkpoints")
+  c.add_argument("--save_total_limit", type=int, default=None,
+                 help="keep only the newest this many checkpoints")
+  c.add_argument("--resume", default=None, metavar="latest|latest-valid|STEP",
+                 help="continue from a checkpoint in OUTPUT_DIR/checkpoints; "
+                 "latest-valid falls back past a damaged newest one")
+  g = p.add_argument_group("multi-process (jax.distributed)")
+  g.add_argument("--num_processes", type=int, default=None,
+                 help="processes in the job; without --process_id, spawns "
+                 "them locally on 127.0.0.1 (--num_devices each)")
+  g.add_argument("--process_id", type=int, default=None)
+  g.add_argument("--coordinator_address", default=None, help="host:port of "
+                 "process 0")
+  g.add_argument("--distributed_auto", action="store_true", help="detect the "
+                 "process coordinates from the cluster (SLURM, Open MPI, ...)")
+  g.add_argument("--heartbeat_timeout", type=int, default=100, help="seconds "
+                 "before a silent process makes the others fail")
   return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict:
-  """Trains; returns the summary written to ``output_dir/summary.json``."""
+def _setup(args):
+  """Joins the job, builds config, model, data and engine."""
   jax = common.start_jax(args.num_devices)
-  import numpy as np
-
-  import zero1_jax as z1
   from experiments import bert, data
   from zero1_jax import config as zconfig
+  from zero1_jax import distributed
   from zero1_jax import engine as zengine
 
-  mesh = common.data_mesh(jax, args.num_devices)
-  n = mesh.shape["data"]
-  cfg = zconfig.load_config(args.deepspeed, world_size=n).with_overrides(
+  multi = distributed.initialize(
+      args.coordinator_address, args.num_processes, args.process_id,
+      auto=args.distributed_auto,
+      heartbeat_timeout_seconds=args.heartbeat_timeout)
+  mesh = common.data_mesh(jax, None if multi else args.num_devices)
+  cfg = zconfig.load_config(args.deepspeed, world_size=mesh.shape["data"])
+  cfg = cfg.with_overrides(
       train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
       gradient_accumulation_steps=args.gradient_accumulation_steps,
       train_batch_size=args.train_batch_size, lr=args.learning_rate)
-  dtype = zengine.compute_dtype(cfg)
+  dtype = zengine.compute_dtype(cfg) or jax.numpy.float32
   mcfg = bert.make_config(args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
-                          max_len=args.seq_len, dtype=dtype or jax.numpy.float32)
-  print(f"[zero1-train] {args.model_name_or_path}: architecture only, weights "
-        f"start random (nothing is downloaded).", flush=True)
+                          max_len=args.seq_len, dtype=dtype)
+  if distributed.is_main_process():
+    print(f"[zero1-train] {args.model_name_or_path}: architecture only, "
+          f"weights start random (nothing is downloaded).", flush=True)
   params = bert.init_params(mcfg, jax.random.key(args.seed))
-  corpus = data.load_corpus(args.train_file)
-  batches = data.MLMBatches(corpus, args.seq_len, cfg.train_batch_size,
-                            seed=args.seed)
+  batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
+                            cfg.train_batch_size, seed=args.seed)
   engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
-  mem = common.log_memory(engine, cfg)
+  return engine, batches, distributed.is_main_process()
 
+
+def _resume(engine, args, ckpt_dir) -> None:
+  if not args.resume:
+    return
+  from zero1_jax import checkpoint
+  tag = None if args.resume in ("latest", "latest-valid") else int(args.resume)
+  if tag is None and checkpoint.Checkpointer(ckpt_dir).latest_step() is None \
+      and not os.path.isdir(ckpt_dir):
+    print(f"[zero1-train] --resume: no checkpoint in {ckpt_dir}; starting "
+          f"from scratch", flush=True)
+    return
+  extra = engine.load_checkpoint(ckpt_dir, tag,
+                                 fallback_to_valid=args.resume == "latest-valid")
+  print(f"[zero1-train] resumed from {ckpt_dir} at step {engine.global_steps} "
+        f"(data position {extra.get('data_step', engine.global_steps)})",
+        flush=True)
+
+
+def run(args: argparse.Namespace) -> dict | None:
+  """Trains; returns the summary written to ``output_dir/summary.json``."""
+  engine, batches, main_process = _setup(args)
+  cfg = engine.config
+  mem = common.log_memory(engine, cfg)
+  ckpt_dir = os.path.join(args.output_dir, "checkpoints")
+  _resume(engine, args, ckpt_dir)
   os.makedirs(args.output_dir, exist_ok=True)
-  with open(os.path.join(args.output_dir, "ds_config.json"), "w") as f:
-    json.dump(cfg.to_dict(), f, indent=2)
-  metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-  history = []
-  bar = common.progress(args.max_steps, disable=args.no_progress)
+  if main_process:
+    with open(os.path.join(args.output_dir, "ds_config.json"), "w") as f:
+      json.dump(cfg.to_dict(), f, indent=2)
+  history = common.read_history(args.output_dir, engine.global_steps)
+  bar = common.progress(args.max_steps, initial=engine.global_steps,
+                        disable=args.no_progress or not main_process)
   t0 = time.perf_counter()
-  with open(metrics_path, "w") as out:
-    for step in range(args.max_steps):
-      t = time.perf_counter()
-      m = engine.train_batch(batches.batch_at(step))
-      row = {"step": engine.global_steps, "loss": float(m["loss"]),
-             "grad_norm": float(m["grad_norm"]), "skipped": bool(m["skipped"]),
-             "loss_scale": float(m["loss_scale"]),
-             "samples_per_s": cfg.train_batch_size / (time.perf_counter() - t)}
-      history.append(row)
-      out.write(json.dumps(row) + "\n")
-      bar.update(1)
-      bar.set_postfix(loss=f"{row['loss']:.3f}",
-                      samples_s=f"{row['samples_per_s']:.1f}")
-      if args.no_progress and (step % args.logging_steps == 0
-                               or step == args.max_steps - 1):
-        print(f"step {row['step']:5d} loss {row['loss']:.4f} scale "
-              f"{row['loss_scale']:.0f} {row['samples_per_s']:.1f} samples/s",
-              flush=True)
+  while engine.global_steps < args.max_steps:
+    t = time.perf_counter()
+    m = engine.train_batch(batches.batch_at(engine.global_steps))
+    row = {"step": engine.global_steps, "loss": float(m["loss"]),
+           "grad_norm": float(m["grad_norm"]), "skipped": bool(m["skipped"]),
+           "loss_scale": float(m["loss_scale"]),
+           "samples_per_s": cfg.train_batch_size / (time.perf_counter() - t)}
+    history.append(row)
+    if main_process:
+      common.append_metrics(args.output_dir, row)
+    bar.update(1)
+    bar.set_postfix(loss=f"{row['loss']:.3f}",
+                    samples_s=f"{row['samples_per_s']:.1f}")
+    if main_process and args.no_progress and (
+        row["step"] % args.logging_steps == 1 or row["step"] == args.max_steps):
+      print(f"step {row['step']:5d} loss {row['loss']:.4f} scale "
+            f"{row['loss_scale']:.0f} {row['samples_per_s']:.1f} samples/s",
+            flush=True)
+    if args.save_steps and (engine.global_steps % args.save_steps == 0
+                            or engine.global_steps == args.max_steps):
+      engine.save_checkpoint(ckpt_dir, extra={"data_step": engine.global_steps,
+                                              "seed": args.seed},
+                             max_to_keep=args.save_total_limit)
   bar.close()
+  engine.wait_checkpoints()
+  if not main_process:
+    return None
   wall = time.perf_counter() - t0
   summary = common.write_outputs(args.output_dir, history, mem, engine, wall)
   print(f"[zero1-train] {engine.global_steps} steps ({engine.skipped_steps} "
@@ -112,7 +167,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  if (args.num_processes or 1) > 1 and args.process_id is None \
+      and args.coordinator_address is None and not args.distributed_auto:
+    from zero1_jax.cli import launch
+    return launch.launch_local("zero1_jax.cli.train", argv, args.num_processes)
   common.setup_logging()
   return common.guarded(run, args, "zero1-train")
 

@@ -1,0 +1,114 @@
+"""Multi-process training on ``jax.distributed``: joining, and feeding each
+process only its part of the global batch.
+
+Every process runs the same program; ``jax.distributed.initialize`` joins
+them into one runtime whose ``jax.devices()`` spans all processes, so a mesh
+over ``jax.devices()`` is the global data-parallel mesh and zero1_jax's
+collectives cross processes unchanged (gloo on CPU, NCCL on GPU).
+
+Example (two shells on one machine, 2 CPU devices each)::
+
+    z1.distributed.initialize("127.0.0.1:12355", num_processes=2, process_id=0)
+    z1.distributed.initialize("127.0.0.1:12355", num_processes=2, process_id=1)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+log = logging.getLogger("zero1_jax")
+
+
+def initialize(coordinator_address: str | None = None,
+               num_processes: int | None = None, process_id: int | None = None,
+               *, auto: bool = False, heartbeat_timeout_seconds: int = 100,
+               initialization_timeout: int = 300) -> bool:
+  """Joins this process to a multi-process JAX runtime.
+
+  Args:
+    coordinator_address: ``host:port`` of process 0.
+    num_processes, process_id: this job's size and this process's rank.
+    auto: let JAX detect them from the cluster environment (SLURM, Open MPI,
+      ``JAX_COORDINATOR_ADDRESS`` ...), as ``jax.distributed.initialize()``
+      does with no arguments.
+    heartbeat_timeout_seconds: a process that stops answering for this long
+      makes the others fail instead of hanging.
+
+  Returns:
+    True if a multi-process runtime was started, False for a single process
+    (no coordinates given and ``auto`` off).
+  """
+  given = [coordinator_address, num_processes, process_id]
+  if not auto and all(v is None for v in given):
+    return False
+  if not auto and any(v is None for v in given):
+    raise ValueError(
+        "multi-process training needs --coordinator_address, --num_processes "
+        "and --process_id together (or auto-detection from the cluster "
+        f"environment); got {given}.")
+  if not auto and not 0 <= process_id < num_processes:
+    raise ValueError(f"--process_id {process_id} must be in [0, "
+                     f"{num_processes}).")
+  kwargs = dict(heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                initialization_timeout=initialization_timeout)
+  if not auto:
+    kwargs.update(coordinator_address=coordinator_address,
+                  num_processes=num_processes, process_id=process_id)
+  jax.distributed.initialize(**kwargs)
+  log.info("process %d of %d joined; %d local / %d global devices",
+           jax.process_index(), jax.process_count(), jax.local_device_count(),
+           jax.device_count())
+  return True
+
+
+def is_main_process() -> bool:
+  return jax.process_index() == 0
+
+
+def local_rows(global_size: int, mesh: jax.sharding.Mesh, axis: str = "data"
+               ) -> slice:
+  """The rows of a ``P(axis)``-sharded batch that this process's devices hold.
+
+  Raises:
+    ValueError: this process's devices are not contiguous on the axis (build
+      the mesh over ``jax.devices()``, which orders devices by process).
+  """
+  n = mesh.shape[axis]
+  if global_size % n:
+    raise ValueError(f"global batch {global_size} is not divisible by the "
+                     f"{n} devices of axis '{axis}'.")
+  order = list(mesh.devices.reshape(-1)) if len(mesh.axis_names) == 1 else None
+  if order is None:
+    raise ValueError("local_rows supports 1-D data meshes only.")
+  mine = [i for i, d in enumerate(order) if d.process_index == jax.process_index()]
+  if mine != list(range(mine[0], mine[0] + len(mine))):
+    raise ValueError("this process's devices are not contiguous on the data "
+                     "axis; build the mesh over jax.devices().")
+  per = global_size // n
+  return slice(mine[0] * per, (mine[-1] + 1) * per)
+
+
+def global_batch(batch: Any, mesh: jax.sharding.Mesh, axis: str = "data", *,
+                 process_local: bool = False) -> Any:
+  """A global, ``P(axis)``-sharded batch from host data on every process.
+
+  With ``process_local=False`` every process passes the whole global batch
+  (e.g. a deterministic data pipeline) and keeps only its rows; with True it
+  passes only its own rows (``local_rows``), in order.
+  """
+  sharding = NamedSharding(mesh, P(axis))
+  nproc = jax.process_count()
+
+  def one(x):
+    x = np.asarray(x)
+    total = x.shape[0] * (nproc if process_local else 1)
+    local = x if process_local else x[local_rows(total, mesh, axis)]
+    return jax.make_array_from_process_local_data(
+        sharding, local, (total,) + x.shape[1:])
+
+  return jax.tree.map(one, batch)
