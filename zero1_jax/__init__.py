@@ -4,7 +4,7 @@
 >>> tx = z1.zero1(optax.adamw(1e-3, weight_decay=0.01), axis_name="data")
 """
 
-from zero1_jax import config, inspect, specs
+from zero1_jax import checkpoint, config, distributed, inspect, specs
 from zero1_jax.config import ConfigError, DeepSpeedConfig, load_config
 from zero1_jax.engine import Engine, initialize
 from zero1_jax.layout import Layout, plan
@@ -15,7 +15,7 @@ from zero1_jax.transform import (StepInfo, Zero1Config, Zero1State,
                                  Zero1Transformation, loss_scale, zero1)
 
 __all__ = [
-    "ConfigError", "DeepSpeedConfig", "DynamicLossScale", "Engine", "Layout",
+    "ConfigError", "DeepSpeedConfig", "checkpoint", "distributed", "DynamicLossScale", "Engine", "Layout",
     "LossScaleState", "NoLossScale", "StaticLossScale", "StepInfo",
     "Zero1Config", "Zero1State", "Zero1Transformation", "config", "init",
     "initialize", "inspect", "load_config", "loss_scale", "plan", "specs",
