@@ -1,0 +1,140 @@
+"""Multi-process training on jax.distributed (gloo on 127.0.0.1).
+
+Each run is a real `zero1-train` job in subprocesses: 2 processes x 2 CPU
+devices must train like 1 process x 4 devices (same global batches; the
+gradient sums cross processes in another order, so the tolerance is the
+different-N one: 1e-6 relative to the largest weight, see
+helpers.assert_close), checkpoints move between the two layouts,
+and a dead process stops the job within a bounded time instead of hanging.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from zero1_jax import checkpoint
+from helpers import assert_close
+
+CONFIG = {"train_batch_size": 8, "gradient_accumulation_steps": 2,
+          "zero_optimization": {"stage": 1},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+pytestmark = pytest.mark.timeout(300)
+
+
+def train(tmp, out, *, procs=1, steps=4, extra=(), wait=True):
+  cfg = tmp / "ds.json"
+  cfg.write_text(json.dumps(CONFIG))
+  cmd = [sys.executable, "-m", "zero1_jax.cli.train", "--deepspeed", str(cfg),
+         "--model_name_or_path", "bert-tiny", "--seq_len", "16",
+         "--max_steps", str(steps), "--no_progress", "--save_steps", "2",
+         "--output_dir", str(tmp / out), "--heartbeat_timeout", "10", *extra]
+  if procs > 1:
+    cmd += ["--num_processes", str(procs), "--num_devices", str(4 // procs)]
+  else:
+    cmd += ["--num_devices", "4"]
+  env = {**os.environ, "XLA_FLAGS": ""}   # not the test process's 8 devices
+  if not wait:
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+def final_params(tmp, out, step=None):
+  dest = tmp / f"{out}-export-{step}"
+  if not dest.exists():
+    checkpoint.export_params(tmp / out / "checkpoints", dest, step)
+  return checkpoint.load_params(dest)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("dist")
+  two = train(tmp, "two")                  # 2 processes x 2 devices, 4 steps
+  one = train(tmp, "one")                  # 1 process x 4 devices, 4 steps
+  return tmp, two, one
+
+
+def test_two_processes_train_like_one_process_with_four_devices(runs):
+  tmp, two, one = runs
+  assert two.stdout.count("weights start random") == 1     # process 0 only
+  for r in range(4):                                         # every rank logs
+    assert f"[Rank {r}] After : optimizer state" in two.stdout
+  assert_close(final_params(tmp, "two"), final_params(tmp, "one"), 1e-6,
+               "2x2 vs 1x4 ", tree_scale=True)
+  loss2 = [json.loads(l)["loss"] for l in open(tmp / "two" / "metrics.jsonl")]
+  loss1 = [json.loads(l)["loss"] for l in open(tmp / "one" / "metrics.jsonl")]
+  np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+
+
+def test_checkpoints_move_between_process_layouts(runs):
+  tmp, _, _ = runs
+  # 2 processes save at step 2; 1 process x 4 devices resumes to step 4.
+  train(tmp, "a", procs=2, steps=2)
+  train(tmp, "a", procs=1, steps=4, extra=["--resume", "latest"])
+  assert_close(final_params(tmp, "a", 4), final_params(tmp, "one", 4), 1e-6,
+               "2x2 -> 1x4 ", tree_scale=True)
+  # And back: 1 process saves at step 2, 2 processes resume to step 4.
+  train(tmp, "b", procs=1, steps=2)
+  train(tmp, "b", procs=2, steps=4, extra=["--resume", "latest"])
+  assert_close(final_params(tmp, "b", 4), final_params(tmp, "one", 4), 1e-6,
+               "1x4 -> 2x2 ", tree_scale=True)
+
+
+def _child_pids(parent: int) -> list[int]:
+  out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
+  return [int(p) for p in out.stdout.split()]
+
+
+def test_a_dead_process_stops_the_launcher_job(tmp_path):
+  job = train(tmp_path, "dead", procs=2, steps=100000, wait=False)
+  deadline = time.monotonic() + 120
+  while not (tmp_path / "dead" / "metrics.jsonl").exists():
+    assert time.monotonic() < deadline and job.poll() is None, job.stderr.read()
+    time.sleep(0.5)
+  children = _child_pids(job.pid)
+  assert len(children) == 2
+  os.kill(children[1], signal.SIGKILL)
+  t = time.monotonic()
+  _, err = job.communicate(timeout=60)
+  assert job.returncode != 0
+  assert "process 1 exited with code -9; stopped the other 1" in err
+  assert time.monotonic() - t < 30
+  assert not any(os.path.exists(f"/proc/{c}") and
+                 open(f"/proc/{c}/stat").read().split()[2] != "Z" for c in children)
+
+
+def test_a_dead_peer_fails_the_survivor_within_the_heartbeat(tmp_path):
+  """Without the launcher: JAX's coordination service notices the missing
+  heartbeat (10 s here) and ends the survivor with an error, no hang."""
+  cfg = tmp_path / "ds.json"
+  cfg.write_text(json.dumps(CONFIG))
+  from zero1_jax.cli.launch import free_port
+  addr = f"127.0.0.1:{free_port()}"
+  env = {**os.environ, "XLA_FLAGS": ""}
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "zero1_jax.cli.train", "--deepspeed", str(cfg),
+       "--model_name_or_path", "bert-tiny", "--seq_len", "16", "--max_steps",
+       "100000", "--no_progress", "--output_dir", str(tmp_path / "o"),
+       "--num_devices", "2", "--num_processes", "2", "--process_id", str(i),
+       "--coordinator_address", addr, "--heartbeat_timeout", "10"],
+      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  deadline = time.monotonic() + 120
+  while not (tmp_path / "o" / "metrics.jsonl").exists():
+    assert time.monotonic() < deadline
+    time.sleep(0.5)
+  procs[1].kill()
+  t = time.monotonic()
+  _, err = procs[0].communicate(timeout=90)
+  assert procs[0].returncode != 0
+  assert time.monotonic() - t < 60
+  assert "another task died" in err or "heartbeat" in err

@@ -1,0 +1,89 @@
+"""Crash and resume: a zero1-train process killed with SIGKILL, once after a
+save and once while a save is being written, then restarted with --resume,
+ends with exactly the parameters of a run that never stopped."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from zero1_jax import checkpoint
+
+CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 1},
+          "fp16": {"enabled": True, "initial_scale_power": 8},
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+STEPS = 8
+pytestmark = pytest.mark.timeout(400)
+
+
+def cmd(tmp, out, *extra):
+  cfg = tmp / "ds.json"
+  cfg.write_text(json.dumps(CONFIG))
+  return [sys.executable, "-m", "zero1_jax.cli.train", "--deepspeed", str(cfg),
+          "--num_devices", "2", "--model_name_or_path", "bert-tiny",
+          "--seq_len", "16", "--max_steps", str(STEPS), "--save_steps", "2",
+          "--no_progress", "--output_dir", str(tmp / out), *extra]
+
+
+ENV = {**os.environ, "XLA_FLAGS": ""}
+
+
+def finished_params(tmp, out):
+  dest = tmp / f"{out}-export"
+  checkpoint.export_params(tmp / out / "checkpoints", dest, STEPS)
+  return checkpoint.load_params(dest)
+
+
+def kill_when(tmp, out, ready) -> None:
+  """Starts a run and SIGKILLs it as soon as ``ready(ckpt_dir)`` holds."""
+  proc = subprocess.Popen(cmd(tmp, out), env=ENV, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
+  ckpt = tmp / out / "checkpoints"
+  deadline = time.monotonic() + 180
+  while not ready(ckpt):
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+
+
+def committed(ckpt, step):
+  return (ckpt / str(step)).is_dir()
+
+
+def writing(ckpt):
+  """A save in progress: orbax's temporary directory exists (steps >= 4)."""
+  return any(int(os.path.basename(p).split(".")[0]) >= 4
+             for p in glob.glob(str(ckpt / "*.orbax-checkpoint-tmp*")))
+
+
+@pytest.mark.parametrize("when", ["after_save", "during_save"])
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, when):
+  ref = subprocess.run(cmd(tmp_path, "ref"), env=ENV, capture_output=True,
+                       text=True, timeout=240)
+  assert ref.returncode == 0, ref.stderr[-2000:]
+  if when == "after_save":
+    kill_when(tmp_path, "crash", lambda c: committed(c, 4))
+  else:
+    kill_when(tmp_path, "crash",
+              lambda c: writing(c) or committed(c, 6))   # best effort: mid-save
+  resumed = subprocess.run(cmd(tmp_path, "crash", "--resume", "latest"), env=ENV,
+                           capture_output=True, text=True, timeout=240)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "resumed from" in resumed.stdout
+  want, got = finished_params(tmp_path, "ref"), finished_params(tmp_path, "crash")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  rows = [json.loads(l) for l in open(tmp_path / "crash" / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  ref_rows = [json.loads(l) for l in open(tmp_path / "ref" / "metrics.jsonl")]
+  assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]
+  assert [r["loss_scale"] for r in rows] == [r["loss_scale"] for r in ref_rows]
