@@ -87,3 +87,30 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, when):
   ref_rows = [json.loads(l) for l in open(tmp_path / "ref" / "metrics.jsonl")]
   assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]
   assert [r["loss_scale"] for r in rows] == [r["loss_scale"] for r in ref_rows]
+
+
+def test_corrupt_latest_checkpoint_falls_back_only_when_asked(tmp_path):
+  run = subprocess.run(cmd(tmp_path, "run"), env=ENV, capture_output=True,
+                       text=True, timeout=240)
+  assert run.returncode == 0, run.stderr[-2000:]
+  want = finished_params(tmp_path, "run")
+  files = [p for p in (tmp_path / "run" / "checkpoints" / str(STEPS)).rglob("*")
+           if p.is_file() and "state" in p.parts]
+  biggest = max(files, key=lambda p: p.stat().st_size)
+  biggest.write_bytes(biggest.read_bytes()[:10])             # truncate it
+
+  latest = subprocess.run(cmd(tmp_path, "run", "--resume", "latest"), env=ENV,
+                          capture_output=True, text=True, timeout=240)
+  assert latest.returncode == 2
+  assert f"step {STEPS}" in latest.stderr and biggest.name in latest.stderr
+  assert "Traceback" not in latest.stderr
+
+  valid = subprocess.run(cmd(tmp_path, "run", "--resume", "latest-valid"),
+                         env=ENV, capture_output=True, text=True, timeout=240)
+  assert valid.returncode == 0, valid.stderr[-2000:]
+  assert f"skipping step {STEPS}" in valid.stderr
+  assert f"at step {STEPS - 2}" in valid.stdout
+  dest = tmp_path / "again"
+  checkpoint.export_params(tmp_path / "run" / "checkpoints", dest, STEPS)
+  for a, b in zip(jax.tree.leaves(checkpoint.load_params(dest)), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)

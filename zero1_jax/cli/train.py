@@ -100,14 +100,16 @@ def _setup(args):
 
 
 def _resume(engine, args, ckpt_dir) -> None:
+  """--resume latest|latest-valid|STEP; a run that crashed before its first
+  save has no checkpoint yet and starts from scratch."""
   if not args.resume:
     return
   from zero1_jax import checkpoint
   tag = None if args.resume in ("latest", "latest-valid") else int(args.resume)
-  if tag is None and checkpoint.Checkpointer(ckpt_dir).latest_step() is None \
-      and not os.path.isdir(ckpt_dir):
-    print(f"[zero1-train] --resume: no checkpoint in {ckpt_dir}; starting "
-          f"from scratch", flush=True)
+  if tag is None and (not os.path.isdir(ckpt_dir) or checkpoint.Checkpointer(
+      ckpt_dir, create=False).latest_step() is None):
+    print(f"[zero1-train] --resume {args.resume}: no checkpoint in {ckpt_dir} "
+          f"yet; starting from scratch", flush=True)
     return
   extra = engine.load_checkpoint(ckpt_dir, tag,
                                  fallback_to_valid=args.resume == "latest-valid")
