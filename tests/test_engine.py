@@ -111,3 +111,22 @@ def test_memory_report_is_measured():
   assert r["sharded_bytes"] == 12 * shard_elems + hyper
   sharded_elems = sum(l.shard_size for l in layout.leaves if l.kind == "shard")
   assert r["replicated_bytes"] == 12 * (4 * sharded_elems + replicated_params) + hyper
+
+
+def test_engine_checkpoint_restores_at_another_n(tmp_path):
+  params = float_part(odd_params())
+  bs = [batch(16, seed=s) for s in range(6)]
+  a = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(4))
+  for b in bs[:3]:
+    a.train_batch(b)
+  a.save_checkpoint(tmp_path / "ckpt", extra={"data_step": 3})
+  a.wait_checkpoints()
+  for b in bs[3:]:
+    a.train_batch(b)
+  c = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  extra = c.load_checkpoint(tmp_path / "ckpt")
+  assert extra["data_step"] == 3 and c.global_steps == 3
+  for b in bs[3:]:
+    c.train_batch(b)
+  assert c.global_steps == a.global_steps == 6
+  assert_close(c.params, a.params, 1e-6, "N=4 -> N=2 ")

@@ -98,3 +98,10 @@ def test_nnx_trainer_matches_nnx_optimizer():
   assert_close(got, want, 1e-6, "nnx ")
   b = batches(1)[0]
   np.testing.assert_allclose(model(b["x"]), ref_model(b["x"]), rtol=1e-5, atol=1e-6)
+
+
+def test_linen_example_script_trains():
+  from experiments import flax_linen_example
+  first = flax_linen_example.main(steps=1)
+  last = flax_linen_example.main(steps=60)
+  assert last < 0.7 * first
