@@ -99,3 +99,22 @@ def test_step_memory_is_params_grads_and_sharded_state(compiled):
   else:
     # The all-reduce path must hold the fully reduced buffer as well.
     assert mem["peak"] <= 1.05 * (budget + 4 * PSI), (mem, budget)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_step_temporaries_are_the_gradients_and_nothing_full_size_more(dtype):
+  """Compare against the backward pass alone: whatever a plain jax.grad of
+  the loss needs as temporaries (on CPU, bf16 dots upcast their operands to
+  fp32: a full fp32 copy that is the backend's, not ours), the zero1 step may
+  add the gradients themselves and no more than 5% of Psi*4 bytes: no
+  gathered fp32 master, padded gradient copy or update tree."""
+  n = 8
+  params = mlp_params(dtype)
+  x = np.ones((n * ROWS, D), np.float32).astype(dtype)
+  plain = jax.jit(jax.grad(mlp_loss)).lower(params, {"x": x[:ROWS]}).compile()
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data", bucket_bytes=1 << 16)
+  p, s = z1.init(tx, params, mesh(n))
+  step = z1.train_step(mlp_loss, tx, mesh(n)).lower(p, s, {"x": x}).compile()
+  grads_b = PSI * jnp.dtype(dtype).itemsize
+  temp, base = z1.inspect.memory(step)["temp"], z1.inspect.memory(plain)["temp"]
+  assert temp <= base + grads_b + 0.05 * 4 * PSI, (temp, base, grads_b)
