@@ -13,6 +13,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 IN, OUT = 5, 3
 
+# The seed tutorial's DeepSpeed config, verbatim.
+SEED_CONFIG = {
+    "train_batch_size": 32, "gradient_accumulation_steps": 1,
+    "fp16": {"enabled": True},
+    "zero_optimization": {"stage": 1, "allgather_partitions": True,
+                          "allgather_bucket_size": 5e8, "overlap_comm": True,
+                          "contiguous_gradients": True, "reduce_scatter": False},
+    "optimizer": {"type": "Adam", "params": {"lr": 2e-5, "betas": [0.9, 0.999],
+                                             "eps": 1e-8, "weight_decay": 0.01}},
+}
+
 
 @functools.lru_cache(maxsize=None)
 def mesh(n: int, axis: str = "data"):

@@ -20,17 +20,10 @@ import pytest
 from zero1_jax.config import (BF16Config, ConfigError, DeepSpeedConfig,
                               FP16Config, ZeroConfig, load_config)
 from zero1_jax.ds_optim import build_optimizer, build_schedule
+from helpers import SEED_CONFIG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SEED = {
-    "train_batch_size": 32, "gradient_accumulation_steps": 1,
-    "fp16": {"enabled": True},
-    "zero_optimization": {"stage": 1, "allgather_partitions": True,
-                          "allgather_bucket_size": 5e8, "overlap_comm": True,
-                          "contiguous_gradients": True, "reduce_scatter": False},
-    "optimizer": {"type": "Adam", "params": {"lr": 2e-5, "betas": [0.9, 0.999],
-                                             "eps": 1e-8, "weight_decay": 0.01}},
-}
+SEED = SEED_CONFIG
 
 
 

@@ -9,16 +9,9 @@ import pytest
 import zero1_jax as z1
 from zero1_jax import engine as zengine
 from zero1_jax.config import ConfigError
-from helpers import assert_close, batch, float_part, loss_fn, mesh, odd_params
+from helpers import (SEED_CONFIG, assert_close, batch, float_part, loss_fn,
+                     mesh, odd_params)
 
-SEED_CONFIG = {
-    "train_batch_size": 32, "gradient_accumulation_steps": 1,
-    "fp16": {"enabled": True},
-    "zero_optimization": {"stage": 1, "allgather_partitions": True,
-                          "allgather_bucket_size": 5e8, "overlap_comm": True,
-                          "contiguous_gradients": True, "reduce_scatter": False},
-    "optimizer": {"type": "Adam", "params": {"lr": 2e-5, "betas": [0.9, 0.999],
-                                             "eps": 1e-8, "weight_decay": 0.01}}}
 
 
 def fp32_config(**over):
