@@ -13,7 +13,6 @@ from helpers import (SEED_CONFIG, assert_close, batch, float_part, loss_fn,
                      mesh, odd_params)
 
 
-
 def fp32_config(**over):
   cfg = {"train_batch_size": 16, "zero_optimization": {"stage": 1},
          "gradient_clipping": 1.0,
