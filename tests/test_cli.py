@@ -85,3 +85,15 @@ def test_console_script_exit_code_without_traceback(tmp_path):
       capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2
   assert "Traceback" not in proc.stderr and "missing.json" in proc.stderr
+
+
+def test_overlap_comm_turns_on_the_latency_hiding_scheduler(tmp_path, monkeypatch):
+  from zero1_jax.cli import common
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": False}}))
+  common.overlap_flags(str(path))
+  assert "latency_hiding" not in os.environ["XLA_FLAGS"]
+  common.overlap_flags(SEED_JSON)                     # overlap_comm: true
+  assert os.environ["XLA_FLAGS"].endswith(
+      "--xla_gpu_enable_latency_hiding_scheduler=true")

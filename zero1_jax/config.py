@@ -85,6 +85,9 @@ class SchedulerConfig:
 
 _ANY, _DICT, _MISSING = object(), object(), object()
 _XLA = "XLA schedules, fuses and overlaps collectives itself"
+_OVERLAP = ("XLA schedules collectives itself; zero1-train turns on XLA's "
+            "latency-hiding scheduler on GPU when it is true "
+            "(--xla_gpu_enable_latency_hiding_scheduler)")
 _TORCH = "PyTorch/CUDA-specific; no equivalent under JAX/XLA"
 _S3 = "only used by ZeRO stage 3"
 _OFF = "no CPU/NVMe offload under XLA"
@@ -128,7 +131,7 @@ _NOTES: dict[str, tuple[Any, str]] = {
                      "never skips steps") for k in (
                          "check_grad_overflow", "bf16_master_weights_and_grads",
                          "bf16_optimizer_states")},
-    "zero_optimization.overlap_comm": (_ANY, _XLA),
+    "zero_optimization.overlap_comm": (_ANY, _OVERLAP),
     "zero_optimization.contiguous_gradients": (_ANY, "XLA owns buffer layout"),
     "zero_optimization.allgather_partitions": (_ANY, "parameters are always "
                                                "all-gathered, never broadcast"),

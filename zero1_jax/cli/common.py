@@ -16,6 +16,22 @@ class UsageError(ValueError):
   """Bad command-line input; reported in one line, exit code 2."""
 
 
+def overlap_flags(config_path: str) -> None:
+  """DeepSpeed's ``overlap_comm: true`` -> XLA's latency-hiding scheduler
+  (GPU), set before the backend starts. A bad file is reported later by
+  load_config, with its own message."""
+  try:
+    with open(config_path) as f:
+      zero = json.load(f).get("zero_optimization", {})
+  except (OSError, ValueError, AttributeError):
+    return
+  if isinstance(zero, dict) and zero.get("overlap_comm") is True:
+    flag = "--xla_gpu_enable_latency_hiding_scheduler=true"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "latency_hiding_scheduler" not in flags:
+      os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
 def start_jax(num_devices: int | None):
   """Returns jax with ``num_devices`` simulated CPU devices when the CPU is
   the platform (set before the backend starts); GPU hosts use real ones."""

@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _setup(args):
   """Joins the job, builds config, model, data and engine."""
+  common.overlap_flags(args.deepspeed)
   jax = common.start_jax(args.num_devices)
   from experiments import bert, data
   from zero1_jax import config as zconfig
