@@ -18,7 +18,7 @@ import numpy as np
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
           "collective-permute")
 _LINE = re.compile(r"=\s*(?P<out>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-                   r"(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
+                   r"(?P<kind>" + "|".join(_KINDS) + r")(?P<start>-start)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
@@ -58,14 +58,35 @@ def _group_size(line: str) -> int:
   return 1
 
 
+def _last_element(tuple_text: str) -> str:
+  """The last top-level element of an HLO tuple shape ``(a, (b, c))``."""
+  depth, cut = 0, 1
+  for i, ch in enumerate(tuple_text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 1:
+      cut = i + 1
+  return tuple_text[cut:-1]
+
+
 def hlo_collectives(hlo_text: str) -> dict[str, Collective]:
-  """Counts collectives in optimized HLO text (``compiled.as_text()``)."""
+  """Counts collectives in optimized HLO text (``compiled.as_text()``).
+
+  Async pairs count once, at their ``-start``; an all-gather-start or
+  reduce-scatter-start returns ``(operands, results)`` (the GPU form), of
+  which only the results are counted."""
   out: dict[str, list[int]] = {}
   for line in hlo_text.splitlines():
     m = _LINE.search(line)
     if not m:
       continue
-    kind, size = m.group("kind"), _bytes(m.group("out"))
+    kind, shape = m.group("kind"), m.group("out")
+    if (m.group("start") and kind in ("all-gather", "reduce-scatter")
+        and shape.startswith("(")):
+      shape = _last_element(shape)
+    size = _bytes(shape)
     if kind == "reduce-scatter":
       size *= _group_size(line)   # the output is one device's piece
     c = out.setdefault(kind, [0, 0])
