@@ -24,7 +24,7 @@ demo: venv
 	  --max_steps $(DEMO_STEPS) --output_dir ./output
 
 bench: venv
-	$(BIN)/python -m experiments.bench
+	$(BIN)/python -m experiments.bench --out experiments/results
 
 clean:
 	rm -rf $(VENV) output

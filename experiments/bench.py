@@ -1,0 +1,206 @@
+"""Memory, communication and speed of ZeRO-1, measured beside DDP and GSPMD.
+
+One model (the BERT MLM of :mod:`experiments.bert` on the byte-level data of
+:mod:`experiments.data`), one process, four training steps built from the same
+``optax.adamw``, parameters and batches:
+
+* ``zero1_rs``: ``zero1_jax`` with ``reduce="reduce_scatter"`` (the default);
+* ``zero1_ar``: ``zero1_jax`` with ``reduce="all_reduce"`` (DeepSpeed's
+  ``reduce_scatter: false``);
+* ``ddp``: replicated params and optax state, ``pmean``'d gradients
+  (:func:`experiments.baselines.ddp_train_step`);
+* ``gspmd``: a plain ``jax.jit`` step with the optax state sharded over the
+  data axis and the collectives left to the partitioner
+  (:func:`experiments.baselines.gspmd_train_step`).
+
+Sections (each a function of :mod:`experiments.bench_sections` that returns
+plain JSON-able dicts):
+
+* :func:`state_section`: per-device bytes of optimizer state + master weights
+  from ``addressable_shards`` at N = 1, 2, 4, 8, vs 12 Psi / N;
+* :func:`memory_section`: compiled per-device memory of the whole donating
+  step (``memory_analysis``) vs the ZeRO paper's model-state prediction, fp32
+  and bf16; its compiled steps also give the collectives per N;
+* :func:`collective_section`: collective ops and bytes per step, read from
+  the optimized HLO, vs the ring-traffic theory;
+* :func:`speed_section`: interleaved step times (median of repeats) at the
+  largest N for several model sizes, and how time and memory grow with Psi;
+* :func:`bucket_section`: collective count and step time vs ``bucket_bytes``;
+* :func:`adam_bandwidth_section` (``--adam-bw``): bytes an Adam update moves
+  per second vs the memory roofline (for the GPU check).
+
+Run (CPU, 8 simulated devices; about 5 minutes on 2 cores)::
+
+    python -m experiments.bench --out experiments/results
+    python -m experiments.bench --quick          # seconds, for a smoke test
+
+It writes ``bench.json``, ``tables.md`` and PNG plots to ``--out``.
+
+This module holds the entry point (:func:`run`, :func:`main`) and re-exports
+the names of the modules it is split into: :mod:`experiments.bench_setup`
+(constants, :class:`Plan`, models, batches, compiled steps, theory),
+:mod:`experiments.bench_sections` (the measurements),
+:mod:`experiments.bench_report` (:func:`targets`, :func:`tables`) and
+:mod:`experiments.bench_plots` (:func:`plots`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+  # Before jax is imported: 8 simulated CPU devices unless told otherwise.
+  _platform = "cpu"
+  for _i, _a in enumerate(sys.argv):
+    if _a == "--platform" and _i + 1 < len(sys.argv):
+      _platform = sys.argv[_i + 1]
+    elif _a.startswith("--platform="):
+      _platform = _a.split("=", 1)[1]
+  if _platform == "cpu":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in _flags:
+      os.environ["XLA_FLAGS"] = (
+          _flags + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import platform as _pyplatform  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+# Re-exported: tests, scripts and docs use them as ``experiments.bench.<name>``.
+from experiments.bench_plots import plots  # noqa: E402,F401
+from experiments.bench_report import tables, targets  # noqa: E402,F401
+from experiments.bench_sections import (  # noqa: E402,F401
+    activation_bytes, adam_bandwidth_section, bucket_section, collective_section,
+    memory_section, speed_section, state_section, time_interleaved)
+from experiments.bench_setup import (  # noqa: E402,F401
+    _BUILT, COLORS, DEFAULT_BUCKET, DTYPES, K, LABELS, METHODS, QUICK, SIZES, Built,
+    Model, Plan, batch, build, device_batch, make_mesh, model, model_state_theory,
+    optimizer, state_master_theory, traffic_theory)
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  if isinstance(x, float) and x != x:
+    return None
+  return x
+
+
+def run(plan: Plan, out: str | None = None, sections: tuple[str, ...] | None = None,
+        log=print) -> dict:
+  """Runs the sections of ``plan``; writes json, tables and plots to ``out``."""
+  sections = sections or ("state", "memory", "speed", "buckets") + (
+      ("adam_bw",) if plan.adam_bw_psi else ())
+  t_all = time.perf_counter()
+  res: dict[str, Any] = {"plan": dataclasses.asdict(plan), "timing_s": {}}
+  res["meta"] = dict(
+      jax=jax.__version__, optax=optax.__version__, backend=jax.default_backend(),
+      devices=jax.device_count(), device_kind=jax.devices()[0].device_kind,
+      cpu_count=os.cpu_count(), python=_pyplatform.python_version(),
+      machine=_pyplatform.machine(), command=" ".join(["python -m experiments.bench"]
+                                                      + sys.argv[1:]),
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
+      models={s: dict(SIZES[s], psi=model(s, "fp32", plan.seq_len).psi)
+              for s in dict.fromkeys((plan.state_size, plan.bucket_size) + plan.speed_sizes)})
+  if "state" in sections:
+    t = time.perf_counter()
+    log("state bytes ...")
+    res["state"] = state_section(plan, log)
+    res["timing_s"]["state"] = time.perf_counter() - t
+  if "memory" in sections:
+    t = time.perf_counter()
+    log("compiled memory and collectives ...")
+    res["memory"], coll = memory_section(plan, log)
+    res["collectives_all_n"] = coll
+    res["collectives"] = collective_section(coll, max(plan.ns))
+    res["timing_s"]["memory"] = time.perf_counter() - t
+  if "speed" in sections:
+    t = time.perf_counter()
+    log("step times ...")
+    res["speed"] = speed_section(plan, log)
+    res["timing_s"]["speed"] = time.perf_counter() - t
+  if "buckets" in sections:
+    t = time.perf_counter()
+    log("bucket sweep ...")
+    res["buckets"] = bucket_section(plan, log)
+    res["timing_s"]["buckets"] = time.perf_counter() - t
+  if "adam_bw" in sections:
+    t = time.perf_counter()
+    log("adam bandwidth ...")
+    res["adam_bw"] = adam_bandwidth_section(plan, log)
+    res["timing_s"]["adam_bw"] = time.perf_counter() - t
+  res["targets"] = targets(res)
+  _BUILT.clear()
+  res["timing_s"]["total"] = time.perf_counter() - t_all
+  res = _jsonable(res)
+  if out:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+      json.dump(res, f, indent=1)
+    with open(os.path.join(out, "tables.md"), "w") as f:
+      f.write(tables(res))
+    res["plots"] = plots(res, out)
+  return res
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--quick", action="store_true", help="tiny sizes, few repeats")
+  ap.add_argument("--out", default="experiments/results")
+  ap.add_argument("--platform", default="cpu",
+                  help="cpu (8 simulated devices, set before jax starts) or anything "
+                       "else to use jax's default backend as is")
+  ap.add_argument("--ns", default=None, help="comma list of device counts, e.g. 1,2,4,8")
+  ap.add_argument("--sections", default=None,
+                  help="comma list of: state,memory,speed,buckets,adam_bw")
+  ap.add_argument("--state-size", default=None, choices=sorted(SIZES))
+  ap.add_argument("--speed-sizes", default=None, help="comma list of model sizes")
+  ap.add_argument("--ratio-sizes", default=None, help="comma list of model sizes")
+  ap.add_argument("--bucket-size", default=None, choices=sorted(SIZES))
+  ap.add_argument("--seq-len", type=int, default=None)
+  ap.add_argument("--global-batch", type=int, default=None)
+  ap.add_argument("--per-device-batch", type=int, default=None)
+  ap.add_argument("--speed-budget", type=float, default=None, help="seconds per size")
+  ap.add_argument("--adam-bw-psi", type=int, default=None,
+                  help="parameters for the Adam bandwidth section (0 = skip)")
+  ap.add_argument("--hbm-tb-s", type=float, default=None)
+  a = ap.parse_args(argv)
+  plan = QUICK if a.quick else Plan()
+  over = {}
+  if a.ns:
+    over["ns"] = tuple(int(x) for x in a.ns.split(","))
+  for key, val in (("state_size", a.state_size), ("bucket_size", a.bucket_size),
+                   ("seq_len", a.seq_len), ("global_batch", a.global_batch),
+                   ("per_device_batch", a.per_device_batch),
+                   ("speed_budget_s", a.speed_budget), ("adam_bw_psi", a.adam_bw_psi),
+                   ("hbm_tb_s", a.hbm_tb_s)):
+    if val is not None:
+      over[key] = val
+  if a.speed_sizes:
+    over["speed_sizes"] = tuple(a.speed_sizes.split(","))
+  if a.ratio_sizes:
+    over["ratio_sizes"] = tuple(a.ratio_sizes.split(","))
+  plan = dataclasses.replace(plan, **over)
+  sections = tuple(a.sections.split(",")) if a.sections else None
+  res = run(plan, a.out, sections)
+  print(tables(res))
+  print(f"wrote {a.out}/bench.json, tables.md, " + ", ".join(
+      os.path.basename(p) for p in res.get("plots", [])) +
+      f" in {res['timing_s']['total']:.0f}s")
+  return res
+
+
+if __name__ == "__main__":
+  main()

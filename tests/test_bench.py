@@ -1,0 +1,139 @@
+"""experiments.bench and experiments.baselines on a tiny BERT at N = 1, 2.
+
+Checks what the benchmark measures (bytes, collectives, the plumbing of the
+timing and the report), never how fast anything is.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zero1_jax as z1
+from experiments import baselines as bl
+from experiments import bench
+from helpers import assert_close, batch, float_part, loss_fn, mesh, odd_params, optax_run
+
+TINY = dict(hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32)
+PLAN = bench.Plan(ns=(2,), state_size="test", speed_sizes=("test",),
+                  ratio_sizes=("test",), bucket_size="test",
+                  buckets=(1 << 12, bench.DEFAULT_BUCKET), seq_len=8,
+                  per_device_batch=1, global_batch=2, dtypes=("fp32", "bf16"),
+                  speed_budget_s=0.0, min_rounds=2, max_rounds=2, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+  bench.SIZES["test"] = TINY
+  out = str(tmp_path_factory.mktemp("bench"))
+  # state in both dtypes; the costly compiles (memory, collectives) in fp32 only
+  res = bench.run(PLAN, out=None, sections=("state",), log=lambda *_: None)
+  plan2 = bench.dataclasses.replace(PLAN, dtypes=("fp32",))
+  res2 = bench.run(plan2, out=out, sections=("memory", "speed", "buckets"),
+                   log=lambda *_: None)
+  res2["state"] = res["state"]
+  yield res2, out
+  del bench.SIZES["test"]
+
+
+def test_state_bytes_match_theory(result):
+  res, _ = result
+  rows = res["state"]
+  assert {(r["dtype"], r["n"]) for r in rows} == {("fp32", 2), ("bf16", 2)}
+  for r in rows:
+    assert r["state_master_bytes"] == r["state_master_bytes_min"]  # same on every device
+    if r["method"] == "zero1_rs":
+      # 12 bytes per padded element + 20 bytes of replicated scalars
+      assert r["state_master_bytes"] <= 12 * (r["psi"] + r["padding_elems"]) / r["n"] + 20
+      assert r["ratio"] == pytest.approx(1.0, abs=2e-3)
+    else:
+      # adam's count is the only extra (4 bytes)
+      assert r["state_master_bytes"] == pytest.approx(r["theory_bytes"], abs=8)
+  by = {(r["dtype"], r["method"]): r for r in rows}
+  psi = rows[0]["psi"]
+  assert by["fp32", "ddp"]["state_master_bytes"] == 12 * psi + 4      # + adam's count
+  assert by["fp32", "gspmd"]["state_master_bytes"] == 4 * psi + 4 * psi + 4
+  assert by["bf16", "gspmd"]["state_master_bytes"] == 6 * psi + 4
+
+
+def test_collectives_follow_theory(result):
+  res, _ = result
+  coll = {r["method"]: r for r in res["collectives"]}
+  assert set(coll) == set(bench.METHODS)
+  assert set(coll["ddp"]["kinds"]) == {"all-reduce"}
+  assert coll["zero1_rs"]["kinds"]["reduce-scatter"]["count"] == 1
+  assert coll["zero1_rs"]["vs_ddp"] == pytest.approx(1.0, rel=0.01)
+  assert coll["zero1_ar"]["vs_ddp"] == pytest.approx(1.5, rel=0.01)
+  for m in ("zero1_rs", "zero1_ar", "ddp"):
+    assert coll[m]["ratio"] == pytest.approx(1.0, rel=0.01)
+
+
+def test_memory_rows_and_donation(result):
+  res, _ = result
+  mem = {r["method"]: r for r in res["memory"]}
+  for r in mem.values():
+    assert r["peak"] == r["argument"] + r["output"] - r["alias"] + r["temp"]
+    assert r["alias"] > 0.9 * r["argument"] - 4096   # params and state donated
+  # sharded state: ZeRO-1 holds less than DDP once N > 1
+  assert mem["zero1_rs"]["argument"] < mem["ddp"]["argument"]
+
+
+def test_speed_buckets_targets_and_outputs(result):
+  res, out = result
+  (sp,) = res["speed"]
+  assert set(sp["times"]) == set(bench.METHODS)
+  assert all(t["n"] == 2 and t["median"] > 0 for t in sp["times"].values())
+  assert sp["zero1_over_ddp"]["ratio"] > 0
+  rows = res["buckets"]["rows"]
+  assert rows[0]["reduce_scatter"] == rows[0]["expected_per_kind"] > 1
+  assert rows[-1]["reduce_scatter"] == rows[-1]["all_gather"] == 1
+  names = {t["target"].split(" <=")[0].split(" =")[0] for t in res["targets"]}
+  assert any("collective" in n for n in names) and any("DDP" in n for n in names)
+  with open(os.path.join(out, "bench.json")) as f:
+    assert json.load(f)["plan"]["ns"] == [2]
+  for name in ("tables.md", "collectives.png", "step_time.png", "buckets.png",
+               "memory_vs_n.png"):
+    assert os.path.getsize(os.path.join(out, name)) > 0
+  assert "| zero1_rs |" in bench.tables(res)
+
+
+def test_baselines_train_like_optax():
+  """A few DDP / GSPMD steps equal optax on the loss each one means: DDP
+  averages the devices' mean losses, GSPMD takes the global mean (the same
+  here: equal rows per device). Odd leaves stay replicated under GSPMD."""
+  params = dict(float_part(odd_params()), even=jnp.ones((4, 6)))
+  bs = [batch(8, seed=s) for s in range(3)]
+  want = optax_run(optax.adam(1e-2), params, bs)
+  msh = mesh(2)
+  for name, init, make in (
+      ("ddp", bl.ddp_init, lambda tx: bl.ddp_train_step(loss_fn, tx, msh)),
+      ("gspmd", bl.gspmd_init, lambda tx: bl.gspmd_train_step(loss_fn, tx, msh, params))):
+    tx = optax.adam(1e-2)
+    p, s = init(tx, params, msh)
+    step = make(tx)
+    for b in bs:
+      p, s, metrics = step(p, s, b)
+    assert_close(p, want, 1e-5, f"{name} ")
+  p, s = bl.gspmd_init(optax.adam(1e-2), params, msh)
+  mu = s.inner[0].mu
+  assert mu["even"].sharding.spec == P("data", None)
+  assert mu["dense"]["kernel"].sharding.spec == P()        # (5, 7): nothing divides
+  assert s.master is None                                  # fp32: params are the master
+  p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  _, s16 = bl.ddp_init(optax.adam(1e-2), p16, msh)
+  assert s16.master["even"].dtype == jnp.float32
+
+
+def test_theory_formulas():
+  psi = 1000
+  assert bench.model_state_theory("zero1_rs", psi, 8, "bf16") == (2 + 2 + 12 / 8) * psi
+  assert bench.model_state_theory("ddp", psi, 8, "bf16") == 16 * psi
+  assert bench.traffic_theory("zero1_rs", psi, 4)["total"] == bench.traffic_theory(
+      "ddp", psi, 4)["total"] == 8 * psi
+  assert bench.traffic_theory("zero1_ar", psi, 2)["total"] == 6 * psi
+  assert bench.state_master_theory("gspmd", psi, 4, "fp32") == 4 * psi + 2 * psi
