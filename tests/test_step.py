@@ -166,3 +166,24 @@ def test_bad_options():
     z1.zero1(optax.adam(1e-3), axis_name="data", max_grad_norm=0)
   with pytest.raises(ValueError, match="bucket_bytes"):
     z1.zero1(optax.adam(1e-3), axis_name="data", bucket_bytes=0)
+
+
+def test_models_with_exact_gelu_train():
+  """erf (exact GELU) traces inside the step on every supported jax."""
+  def gelu_loss(p, b):
+    h = jax.nn.gelu(b["x"] @ p["dense"]["kernel"], approximate=False)
+    return jnp.mean((h @ p["out"]["kernel"] - b["y"]) ** 2)
+  params = float_part(odd_params())
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  p, s = z1.init(tx, params, mesh(2))
+  step = z1.train_step(gelu_loss, tx, mesh(2), grad_accum_steps=2)
+  for i in range(3):
+    p, s, m = step(p, s, batch(8, seed=i))
+  assert np.isfinite(m["loss"])
+  ref = params
+  tx0 = optax.adam(1e-2)
+  s0 = tx0.init(ref)
+  for i in range(3):
+    u, s0 = tx0.update(jax.grad(gelu_loss)(ref, batch(8, seed=i)), s0, ref)
+    ref = optax.apply_updates(ref, u)
+  assert_close(float_part(p), ref, 1e-6, "gelu ")

@@ -37,7 +37,13 @@ def _axis_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh) -> int:
 
 
 def _shard_map(f, mesh, in_specs, out_specs):
-  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  # check_vma=False: every output here is replicated by construction (tiled
+  # all_gather, psum/pmean) or sharded as `specs` says, so the varying-axes
+  # typing adds no safety; and on jax 0.12 its rule for lax.polynomial (inside
+  # erf, hence exact GELU) rejects a varying input with constant coefficients,
+  # which would make ordinary models fail to trace.
+  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)
 
 
 def _replicated(mesh, tree):
