@@ -8,6 +8,7 @@ helpers.assert_close), checkpoints move between the two layouts,
 and a dead process stops the job within a bounded time instead of hanging.
 """
 
+import glob
 import json
 import os
 import signal
@@ -90,8 +91,16 @@ def test_checkpoints_move_between_process_layouts(runs):
 
 
 def _child_pids(parent: int) -> list[int]:
-  out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
-  return [int(p) for p in out.stdout.split()]
+  """Children of ``parent``, read from /proc (no procps needed)."""
+  kids = []
+  for stat in glob.glob("/proc/[0-9]*/stat"):
+    try:
+      fields = open(stat).read().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    if int(fields[1]) == parent:
+      kids.append(int(stat.split("/")[2]))
+  return sorted(kids)
 
 
 def test_a_dead_process_stops_the_launcher_job(tmp_path):
