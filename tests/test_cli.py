@@ -49,6 +49,7 @@ def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,cfg_edit,message", [
     ([], None, "Check batch related parameters"),   # 32 != 2 x 1 x 4
+    ([], {"train_batch_size": 30}, "30 != 7 * 1 * 4"),   # 30 / 4 devices: no integer micro-batch
     (["--train_batch_size", "16"], None, "conflicts with train_batch_size=32"),
     ([], {"optimizer": {"type": "Adamm", "params": {}}}, "Adamm"),
     ([], {"bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled"),
@@ -57,8 +58,8 @@ def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
 def test_bad_input_is_one_clear_error(tmp_path, capsys, extra, cfg_edit, message):
   cfg = json.load(open(SEED_JSON))
   if cfg_edit:
-    cfg.update(cfg_edit)
     cfg["train_batch_size"] = 8
+    cfg.update(cfg_edit)
   path = tmp_path / "ds.json"
   path.write_text(json.dumps(cfg))
   assert run(tmp_path, *extra, config=path) == 2

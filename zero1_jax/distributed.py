@@ -15,6 +15,7 @@ Example (two shells on one machine, 2 CPU devices each)::
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import jax
@@ -35,7 +36,8 @@ def initialize(coordinator_address: str | None = None,
     num_processes, process_id: this job's size and this process's rank.
     auto: let JAX detect them from the cluster environment (SLURM, Open MPI,
       ``JAX_COORDINATOR_ADDRESS`` ...), as ``jax.distributed.initialize()``
-      does with no arguments.
+      does with no arguments. With no coordinates given this is switched on
+      by itself when :func:`cluster_environment` sees a multi-task job.
     heartbeat_timeout_seconds: a process that stops answering for this long
       makes the others fail instead of hanging.
 
@@ -44,8 +46,10 @@ def initialize(coordinator_address: str | None = None,
     (no coordinates given and ``auto`` off).
   """
   given = [coordinator_address, num_processes, process_id]
-  if not auto and all(v is None for v in given):
-    return False
+  if all(v is None for v in given):
+    auto = auto or cluster_environment()
+    if not auto:
+      return False
   if not auto and any(v is None for v in given):
     raise ValueError(
         "multi-process training needs --coordinator_address, --num_processes "
@@ -64,6 +68,24 @@ def initialize(coordinator_address: str | None = None,
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count())
   return True
+
+
+_CLUSTER_SIZE_VARS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def cluster_environment() -> bool:
+  """True when a launcher set up a multi-process job in the environment:
+  JAX's own ``JAX_COORDINATOR_ADDRESS``, or SLURM / Open MPI / PMI with more
+  than one task (what ``jax.distributed.initialize()`` auto-detects)."""
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    return True
+  for var in _CLUSTER_SIZE_VARS:
+    try:
+      if int(os.environ.get(var, "1")) > 1:
+        return True
+    except ValueError:
+      continue
+  return False
 
 
 def is_main_process() -> bool:
