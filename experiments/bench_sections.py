@@ -295,7 +295,8 @@ def adam_bandwidth_section(plan: Plan, log=print) -> dict:
     return np_, ns
 
   zstep = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(rep, specs, rep),
-                                out_specs=(rep, specs)), donate_argnums=(0, 1))
+                                out_specs=(rep, specs), check_vma=False),
+                  donate_argnums=(0, 1))
   zg = {"w": g}
   for _ in range(3):
     zp, zs = zstep(zp, zs, zg)

@@ -99,11 +99,15 @@ class _SelfAttention(nn.Module):
     cfg = self.cfg
     b, l, _ = x.shape
     head_dim = cfg.hidden_size // cfg.num_heads
-    dense = lambda name: nn.Dense(cfg.hidden_size, dtype=cfg.dtype, kernel_init=_init(cfg),
-                                  name=name)
+    dense = lambda name, bias=True: nn.Dense(
+        cfg.hidden_size, dtype=cfg.dtype, kernel_init=_init(cfg), use_bias=bias,
+        name=name)
     split = lambda t: t.reshape(b, l, cfg.num_heads, head_dim)
     q = split(dense("query")(x)) * jnp.asarray(1.0 / math.sqrt(head_dim), cfg.dtype)
-    k = split(dense("key")(x))
+    # No key bias: it adds q.b_k to a whole row of logits, which softmax
+    # ignores, so its true gradient is zero and Adam would only amplify the
+    # rounding noise of that zero into full-size steps.
+    k = split(dense("key", bias=False)(x))
     v = split(dense("value")(x))
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     if bias is not None:

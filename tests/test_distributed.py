@@ -3,9 +3,8 @@
 Each run is a real `zero1-train` job in subprocesses: 2 processes x 2 CPU
 devices must train like 1 process x 4 devices (same global batches; the
 gradient sums cross processes in another order, so the tolerance is the
-different-N one: 1e-6 relative to the largest weight, see
-helpers.assert_close), checkpoints move between the two layouts,
-and a dead process stops the job within a bounded time instead of hanging.
+different-N one: 1e-6 relative, per leaf), checkpoints move between the
+two layouts, and a dead process stops the job within a bounded time instead of hanging.
 """
 
 import glob
@@ -23,9 +22,14 @@ import pytest
 from zero1_jax import checkpoint
 from helpers import assert_close
 
+# SGD with momentum: the comparisons are about where sums happen (processes,
+# devices), so the optimizer must not amplify rounding. Adam would: an element
+# whose gradient nearly cancels gets a step of size lr whatever its sign noise,
+# which tests Adam's conditioning, not the plumbing. (Adam's sharded state
+# across N is covered by test_checkpoint and test_equivalence.)
 CONFIG = {"train_batch_size": 8, "gradient_accumulation_steps": 2,
-          "zero_optimization": {"stage": 1},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+          "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+          "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}}
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -70,7 +74,7 @@ def test_two_processes_train_like_one_process_with_four_devices(runs):
   for r in range(4):                                         # every rank logs
     assert f"[Rank {r}] After : optimizer state" in two.stdout
   assert_close(final_params(tmp, "two"), final_params(tmp, "one"), 1e-6,
-               "2x2 vs 1x4 ", tree_scale=True)
+               "2x2 vs 1x4 ")
   loss2 = [json.loads(l)["loss"] for l in open(tmp / "two" / "metrics.jsonl")]
   loss1 = [json.loads(l)["loss"] for l in open(tmp / "one" / "metrics.jsonl")]
   np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
@@ -82,12 +86,12 @@ def test_checkpoints_move_between_process_layouts(runs):
   train(tmp, "a", procs=2, steps=2)
   train(tmp, "a", procs=1, steps=4, extra=["--resume", "latest"])
   assert_close(final_params(tmp, "a", 4), final_params(tmp, "one", 4), 1e-6,
-               "2x2 -> 1x4 ", tree_scale=True)
+               "2x2 -> 1x4 ")
   # And back: 1 process saves at step 2, 2 processes resume to step 4.
   train(tmp, "b", procs=1, steps=2)
   train(tmp, "b", procs=2, steps=4, extra=["--resume", "latest"])
   assert_close(final_params(tmp, "b", 4), final_params(tmp, "one", 4), 1e-6,
-               "1x4 -> 2x2 ", tree_scale=True)
+               "1x4 -> 2x2 ")
 
 
 def _child_pids(parent: int) -> list[int]:
