@@ -47,7 +47,8 @@ class Block(nn.Module):
   def __init__(self, h, heads, inter, eps):
     super().__init__()
     self.heads = heads
-    self.query, self.key, self.value, self.out = (nn.Linear(h, h) for _ in range(4))
+    self.query, self.value, self.out = (nn.Linear(h, h) for _ in range(3))
+    self.key = nn.Linear(h, h, bias=False)   # as experiments/bert.py: no key bias
     self.attention_ln = nn.LayerNorm(h, eps=eps)
     self.intermediate = nn.Linear(h, inter)
     self.output = nn.Linear(inter, h)
