@@ -1,12 +1,12 @@
 """Checkpoints on orbax: sharded save, restore at any data-parallel size,
 exact resume, and export of the fp32 master weights.
 
-Example:
-  >>> import zero1_jax as z1                                   # doctest: +SKIP
-  >>> ckpt = z1.checkpoint.Checkpointer("/ckpt", max_to_keep=3)
-  >>> ckpt.save(step, params, opt_state, extra={"step": step, "seed": 0})
-  >>> params, opt_state, extra = ckpt.restore(None, tx, params, mesh)
-  >>> z1.checkpoint.export_params("/ckpt", "/export")          # zero_to_fp32
+Example (needs a mesh, params and a train loop, so not run as a doctest)::
+
+  ckpt = z1.checkpoint.Checkpointer("/ckpt", max_to_keep=3)
+  ckpt.save(step, params, opt_state, extra={"step": step, "seed": 0})
+  params, opt_state, extra = ckpt.restore(None, tx, params, mesh)
+  z1.checkpoint.export_params("/ckpt", "/export")          # zero_to_fp32
 
 One orbax step directory per saved step holds four items: ``params`` (the
 replicated parameters), ``state`` (every :class:`Zero1State` leaf: master

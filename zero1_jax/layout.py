@@ -145,8 +145,8 @@ def plan(tree: Any, num_shards: int) -> Layout:
   Example:
     >>> import jax.numpy as jnp
     >>> lay = plan({'w': jnp.zeros((5, 3)), 'b': jnp.zeros(())}, 4)
-    >>> [(l.kind, l.shard_shape) for l in lay.leaves]
-    [('replicate', ()), ('shard', (2, 3))]
+    >>> [(l.kind, l.shard_shape) for l in lay.leaves]   # 5x4 pads less than 8x3
+    [('replicate', ()), ('shard', (5, 1))]
   """
   if num_shards < 1:
     raise ValueError(f"num_shards must be >= 1, got {num_shards}")
