@@ -187,3 +187,15 @@ def test_models_with_exact_gelu_train():
     u, s0 = tx0.update(jax.grad(gelu_loss)(ref, batch(8, seed=i)), s0, ref)
     ref = optax.apply_updates(ref, u)
   assert_close(float_part(p), ref, 1e-6, "gelu ")
+
+
+def test_accepts_a_batch_committed_to_one_device():
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  p, s = z1.init(tx, odd_params(), mesh(4))
+  step = z1.train_step(loss_fn, tx, mesh(4), donate=False)
+  host = batch(16)
+  one = jax.device_put(host, jax.devices()[0])
+  np.testing.assert_allclose(step(p, s, one)[2]["loss"], step(p, s, host)[2]["loss"],
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="batch size 6 is not divisible"):
+    step(p, s, jax.device_put(batch(6), jax.devices()[0]))

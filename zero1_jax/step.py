@@ -83,20 +83,25 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh
   return params, make(params)
 
 
-def _split_batch(batch, accum: int, mesh, axis: str):
-  """``(B, ...)`` -> ``(accum, B // accum, ...)`` sharded on dim 1."""
+def batch_size(batch, accum: int, n: int) -> int:
+  """The global batch size; ValueError naming the fix if it cannot be split
+  into ``accum`` micro-batches over ``n`` devices."""
   sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batch)}
   if None in sizes or len(sizes) != 1:
     raise ValueError(f"zero1: every batch leaf needs the same leading (batch) "
                      f"dimension; got leading sizes {sorted(map(str, sizes))}.")
   (b,) = sizes
-  n = mesh.shape[axis]
   if b % (accum * n):
     raise ValueError(
         f"zero1: batch size {b} is not divisible by grad_accum_steps "
         f"({accum}) x data-parallel devices ({n}) = {accum * n}. Use a batch "
         f"size that is a multiple of {accum * n}.")
+  return b
 
+
+def _split_batch(batch, accum: int, mesh, axis: str):
+  """``(B, ...)`` -> ``(accum, B // accum, ...)`` sharded on dim 1."""
+  b = batch_size(batch, accum, mesh.shape[axis])
   sharding = NamedSharding(mesh, P(None, axis))
 
   def split(x):
@@ -135,7 +140,9 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     donate: donate params and opt_state (the update happens in place).
 
   Returns:
-    A ``jax.jit`` function (``.lower(...).compile()`` works). ``metrics``:
+    The ``jax.jit`` function (``.lower(...).compile()`` works), behind a thin
+    wrapper that first moves batch arrays committed to devices outside the
+    mesh (e.g. a single device) onto it. ``metrics``:
     ``loss`` (mean over the global batch), ``grad_norm`` (global, before
     clipping), ``skipped`` (overflow: nothing changed), ``loss_scale``.
   """
@@ -196,4 +203,38 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
                    (rep, specs, P()))
     return f(params, opt_state, batch)
 
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  return _OnMesh(jax.jit(step, donate_argnums=(0, 1) if donate else ()),
+                 NamedSharding(mesh, P(axis)), accum)
+
+
+class _OnMesh:
+  """The jitted step, first moving batch arrays that live on devices outside
+  the mesh (e.g. committed to one device) onto it, split over the data axis.
+  Host arrays and arrays already on the mesh pass straight through.
+  ``lower``/``trace``/``eval_shape`` and the rest are the jitted function's."""
+
+  def __init__(self, jitted, batch_sharding: NamedSharding, accum: int):
+    self._jitted = jitted
+    self._sharding = batch_sharding
+    self._devices = set(batch_sharding.mesh.devices.flat)
+    self._accum = accum
+
+  def _place(self, batch):
+    batch_size(batch, self._accum, len(self._devices))
+
+    def one(x):
+      sharding = getattr(x, "sharding", None)
+      if sharding is None or set(sharding.device_set) <= self._devices and \
+          len(sharding.device_set) == len(self._devices):
+        return x
+      return jax.device_put(x, self._sharding)
+    return jax.tree.map(one, batch)
+
+  def __call__(self, params, opt_state, batch):
+    return self._jitted(params, opt_state, self._place(batch))
+
+  def lower(self, params, opt_state, batch):
+    return self._jitted.lower(params, opt_state, self._place(batch))
+
+  def __getattr__(self, name):
+    return getattr(self._jitted, name)
