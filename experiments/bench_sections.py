@@ -242,6 +242,21 @@ def bucket_section(plan: Plan, log=print) -> dict:
               ddp_time=_summary(times["ddp"]), rows=rows)
 
 
+def _median_update_time(update, p, s, g, warmup: int = 3, reps: int = 20):
+  """Median seconds of ``p, s = update(p, s, g)`` (donating), after warm-up;
+  returns ``(median, p, s)`` so the donated buffers stay owned."""
+  for _ in range(warmup):
+    p, s = update(p, s, g)
+  jax.block_until_ready((p, s))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    p, s = update(p, s, g)
+    jax.block_until_ready((p, s))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts), p, s
+
+
 def adam_bandwidth_section(plan: Plan, log=print) -> dict:
   """Time of one jitted, donating ``optax.adamw`` update of ``adam_bw_psi``
   fp32 parameters on one device, as bytes moved per second vs the roofline.
@@ -266,16 +281,7 @@ def adam_bandwidth_section(plan: Plan, log=print) -> dict:
     return optax.apply_updates(p, u), s
 
   adam = jax.jit(adam_step, donate_argnums=(0, 1))
-  for _ in range(3):
-    p, s = adam(p, s, g)
-  jax.block_until_ready(p)
-  ts = []
-  for _ in range(20):
-    t0 = time.perf_counter()
-    p, s = adam(p, s, g)
-    jax.block_until_ready((p, s))
-    ts.append(time.perf_counter() - t0)
-  t = statistics.median(ts)
+  t, p, s = _median_update_time(adam, p, s, g)
   moved = 28 * psi
   out = dict(psi=psi, bytes_moved=moved, median_s=t, tb_s=moved / t / 1e12,
              roofline_tb_s=plan.hbm_tb_s, fraction_of_roofline=moved / t / 1e12 / plan.hbm_tb_s,
@@ -297,17 +303,7 @@ def adam_bandwidth_section(plan: Plan, log=print) -> dict:
   zstep = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(rep, specs, rep),
                                 out_specs=(rep, specs), check_vma=False),
                   donate_argnums=(0, 1))
-  zg = {"w": g}
-  for _ in range(3):
-    zp, zs = zstep(zp, zs, zg)
-  jax.block_until_ready(zp)
-  ts = []
-  for _ in range(20):
-    t0 = time.perf_counter()
-    zp, zs = zstep(zp, zs, zg)
-    jax.block_until_ready((zp, zs))
-    ts.append(time.perf_counter() - t0)
-  out["zero1_median_s"] = statistics.median(ts)
+  out["zero1_median_s"], zp, zs = _median_update_time(zstep, zp, zs, {"w": g})
   out["zero1_over_adam"] = out["zero1_median_s"] / t
   log(f"  adam bw: psi={psi / 1e6:.0f}M {t * 1e3:.2f}ms = {out['tb_s']:.2f} TB/s "
       f"({100 * out['fraction_of_roofline']:.0f}% of {plan.hbm_tb_s} TB/s); "
