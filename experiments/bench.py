@@ -114,33 +114,25 @@ def run(plan: Plan, out: str | None = None, sections: tuple[str, ...] | None = N
       xla_flags=os.environ.get("XLA_FLAGS", ""),
       models={s: dict(SIZES[s], psi=model(s, "fp32", plan.seq_len).psi)
               for s in dict.fromkeys((plan.state_size, plan.bucket_size) + plan.speed_sizes)})
-  if "state" in sections:
-    t = time.perf_counter()
-    log("state bytes ...")
-    res["state"] = state_section(plan, log)
-    res["timing_s"]["state"] = time.perf_counter() - t
-  if "memory" in sections:
-    t = time.perf_counter()
-    log("compiled memory and collectives ...")
-    res["memory"], coll = memory_section(plan, log)
-    res["collectives_all_n"] = coll
-    res["collectives"] = collective_section(coll, max(plan.ns))
-    res["timing_s"]["memory"] = time.perf_counter() - t
-  if "speed" in sections:
-    t = time.perf_counter()
-    log("step times ...")
-    res["speed"] = speed_section(plan, log)
-    res["timing_s"]["speed"] = time.perf_counter() - t
-  if "buckets" in sections:
-    t = time.perf_counter()
-    log("bucket sweep ...")
-    res["buckets"] = bucket_section(plan, log)
-    res["timing_s"]["buckets"] = time.perf_counter() - t
-  if "adam_bw" in sections:
-    t = time.perf_counter()
-    log("adam bandwidth ...")
-    res["adam_bw"] = adam_bandwidth_section(plan, log)
-    res["timing_s"]["adam_bw"] = time.perf_counter() - t
+  def memory_and_collectives(plan, log):
+    mem, coll = memory_section(plan, log)
+    return {"memory": mem, "collectives_all_n": coll,
+            "collectives": collective_section(coll, max(plan.ns))}
+
+  steps = (  # section, log line, fn(plan, log) -> {result key: value}
+      ("state", "state bytes", lambda p, l: {"state": state_section(p, l)}),
+      ("memory", "compiled memory and collectives", memory_and_collectives),
+      ("speed", "step times", lambda p, l: {"speed": speed_section(p, l)}),
+      ("buckets", "bucket sweep", lambda p, l: {"buckets": bucket_section(p, l)}),
+      ("adam_bw", "adam bandwidth",
+       lambda p, l: {"adam_bw": adam_bandwidth_section(p, l)}),
+  )
+  for name, what, fn in steps:
+    if name in sections:
+      t = time.perf_counter()
+      log(f"{what} ...")
+      res.update(fn(plan, log))
+      res["timing_s"][name] = time.perf_counter() - t
   res["targets"] = targets(res)
   _BUILT.clear()
   res["timing_s"]["total"] = time.perf_counter() - t_all

@@ -25,6 +25,15 @@ def _plain_log_ticks(ax, matplotlib) -> None:
   ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
+def _save(fig, out: str, name: str, plt) -> str:
+  """Lays out, writes and closes ``fig``; returns its path."""
+  fig.tight_layout()
+  path = os.path.join(out, name)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def plots(res: dict, out: str) -> list[str]:
   """PNG plots; returns the paths written."""
   import matplotlib
@@ -77,11 +86,7 @@ def plots(res: dict, out: str) -> list[str]:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(out, "memory_vs_n.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(fig, out, "memory_vs_n.png", plt))
 
   coll = res.get("collectives")
   if coll:
@@ -117,11 +122,7 @@ def plots(res: dict, out: str) -> list[str]:
                    f"(Psi={rs[0]['psi'] / 1e6:.2f}M){note}", fontsize=10)
       ax.legend(fontsize=7, loc="upper left")
       ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(out, "collectives.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(fig, out, "collectives.png", plt))
 
   sp = res.get("speed")
   if sp:
@@ -173,11 +174,7 @@ def plots(res: dict, out: str) -> list[str]:
     ax.set_title(f"Step memory vs model size, N={sp[0]['n']}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    path = os.path.join(out, "step_time.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(fig, out, "step_time.png", plt))
 
   bk = res.get("buckets")
   if bk:
@@ -205,9 +202,5 @@ def plots(res: dict, out: str) -> list[str]:
     ax.set_title(f"Bucket size sweep, model {bk['size']} (Psi={bk['psi'] / 1e6:.2f}M), "
                  f"N={bk['n']}")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(out, "buckets.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(fig, out, "buckets.png", plt))
   return paths
