@@ -25,6 +25,18 @@ def _plain_log_ticks(ax, matplotlib) -> None:
   ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
+def _versus_size(ax, matplotlib, ylabel: str, title: str) -> None:
+  """Log-log axes of a quantity against parameter count."""
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  _plain_log_ticks(ax, matplotlib)
+  ax.set_xlabel("parameters Psi")
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3, which="both")
+
+
 def _save(fig, out: str, name: str, plt) -> str:
   """Lays out, writes and closes ``fig``; returns its path."""
   fig.tight_layout()
@@ -154,26 +166,14 @@ def plots(res: dict, out: str) -> list[str]:
                         [(r["times"][method]["q75"] - r["times"][method]["median"]) * 1e3
                          for r in sp]],
                   fmt="o-", color=COLORS[method], label=LABELS[method], capsize=3)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    _plain_log_ticks(ax, matplotlib)
-    ax.set_xlabel("parameters Psi")
-    ax.set_ylabel("step time (ms)")
-    ax.set_title(f"Step time vs model size, N={sp[0]['n']}")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
+    _versus_size(ax, matplotlib, "step time (ms)",
+                 f"Step time vs model size, N={sp[0]['n']}")
     ax = axes[2]
     for method in METHODS:
       ax.plot(psis, [r["memory"][method]["peak"] / 1e6 for r in sp], "o-",
               color=COLORS[method], label=LABELS[method])
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    _plain_log_ticks(ax, matplotlib)
-    ax.set_xlabel("parameters Psi")
-    ax.set_ylabel("compiled peak MB per device")
-    ax.set_title(f"Step memory vs model size, N={sp[0]['n']}")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
+    _versus_size(ax, matplotlib, "compiled peak MB per device",
+                 f"Step memory vs model size, N={sp[0]['n']}")
     paths.append(_save(fig, out, "step_time.png", plt))
 
   bk = res.get("buckets")
