@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test,experiments]"
+	$(BIN)/pip install -q -e ".[test,cli,experiments]"
 	touch $@
 
 venv: $(BIN)/.installed

@@ -122,7 +122,7 @@ def ddp_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
     st = jax.tree.map(lambda _: P(), state)
     bs = jax.tree.map(lambda _: P(axis), batch)
     batch = jax.tree.map(lambda x: _constrain(x, NamedSharding(mesh, P(axis))), batch)
-    # check_vma=False as in zero1_jax.step: jax 0.12's vma rule for
+    # check_vma=False as in zero1_jax.core.step: jax 0.12's vma rule for
     # lax.polynomial (erf -> exact GELU) rejects ordinary models.
     f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, st, bs),
                       out_specs=(rep, st, P()), check_vma=False)

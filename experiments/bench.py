@@ -1,7 +1,7 @@
 """Memory, communication and speed of ZeRO-1, measured beside DDP and GSPMD.
 
-One model (the BERT MLM of :mod:`experiments.bert` on the byte-level data of
-:mod:`experiments.data`), one process, four training steps built from the same
+One model (the BERT MLM of :mod:`zero1_jax.models.bert` on the byte-level data of
+:mod:`zero1_jax.data`), one process, four training steps built from the same
 ``optax.adamw``, parameters and batches:
 
 * ``zero1_rs``: ``zero1_jax`` with ``reduce="reduce_scatter"`` (the default);

@@ -14,7 +14,7 @@ times them interleaved, round by round, like ``experiments.bench``. It
 records per-rank optimizer-state bytes (the fp32 master partition plus Adam's
 moments) next to 12 Psi / N and the step-time ratio stage 1 / stage 0.
 
-The model mirrors :mod:`experiments.bert` (post-LN encoder, learned positions,
+The model mirrors :mod:`zero1_jax.models.bert` (post-LN encoder, learned positions,
 tied MLM decoder with bias, fp32) and has exactly its parameter count.
 """
 from __future__ import annotations
@@ -32,8 +32,19 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from experiments import data  # noqa: E402  (numpy only)
+def _load_data_module():
+  """zero1_jax/data.py is numpy only; load it by path, since importing the
+  zero1_jax package would need jax in this torch venv."""
+  import importlib.util
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                      "zero1_jax", "data.py")
+  spec = importlib.util.spec_from_file_location("zero1_jax_data", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+data = _load_data_module()
 
 SIZES = {  # == experiments.bench.SIZES
     "xxs": dict(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=128),
@@ -48,7 +59,7 @@ class Block(nn.Module):
     super().__init__()
     self.heads = heads
     self.query, self.value, self.out = (nn.Linear(h, h) for _ in range(3))
-    self.key = nn.Linear(h, h, bias=False)   # as experiments/bert.py: no key bias
+    self.key = nn.Linear(h, h, bias=False)   # as zero1_jax/models/bert.py: no key bias
     self.attention_ln = nn.LayerNorm(h, eps=eps)
     self.intermediate = nn.Linear(h, inter)
     self.output = nn.Linear(inter, h)

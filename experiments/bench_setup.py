@@ -19,7 +19,8 @@ from jax.sharding import AxisType
 
 import zero1_jax as z1
 from experiments import baselines as bl
-from experiments import bert, data
+from zero1_jax import data
+from zero1_jax.models import bert
 
 METHODS = ("zero1_rs", "zero1_ar", "ddp", "gspmd")
 LABELS = {"zero1_rs": "ZeRO-1 (reduce-scatter)", "zero1_ar": "ZeRO-1 (all-reduce)",

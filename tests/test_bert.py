@@ -1,4 +1,4 @@
-"""Fast CPU tests for experiments.bert (tiny BERT MLM) and experiments.data."""
+"""Fast CPU tests for zero1_jax.models.bert (tiny BERT MLM) and zero1_jax.data."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import bert, data
+from zero1_jax import data
+from zero1_jax.models import bert
 
 SEQ = 16
 TINY = bert.BertConfig(vocab_size=data.VOCAB_SIZE, hidden_size=32, num_layers=2, num_heads=2,

@@ -1,4 +1,4 @@
-"""Specification of the DeepSpeed-JSON layer (zero1_jax.config, .ds_optim).
+"""Specification of the DeepSpeed-JSON layer (zero1_jax.deepspeed).
 
 Each test names the DeepSpeed rule it pins down; the source file the rule was
 read from is listed in docs/deepspeed_config.md. Expected numbers are written
@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zero1_jax.config import (BF16Config, ConfigError, DeepSpeedConfig,
-                              FP16Config, ZeroConfig, load_config)
-from zero1_jax.ds_optim import build_optimizer, build_schedule
+from zero1_jax.deepspeed.config import DeepSpeedConfig, load_config
+from zero1_jax.deepspeed.optim import build_optimizer
+from zero1_jax.deepspeed.schedules import build_schedule
+from zero1_jax.deepspeed.schema import (BF16Config, ConfigError, FP16Config,
+                                        ZeroConfig)
 from helpers import SEED_CONFIG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ SEED = SEED_CONFIG
 @pytest.fixture(autouse=True)
 def _fresh_notes():
   """Info lines are logged once per process; each test starts afresh."""
-  from zero1_jax import config as _config
+  from zero1_jax.deepspeed import config as _config
   _config._NOTED.clear()
 
 def load(d, ws=1, **over):
@@ -317,7 +319,7 @@ def opt_cfg(type_, stage=0, sched=None, **params):
 
 def run(cfg, grads, p0):
   """Apply build_optimizer(cfg) for each gradient; returns params per step."""
-  tx = build_optimizer(cfg)
+  tx = build_optimizer(cfg.optimizer, cfg.scheduler)
   p = {"w": jnp.asarray(p0, jnp.float32)}
   state, out = tx.init(p), []
   for g in grads:
@@ -549,7 +551,7 @@ def test_one_cycle_lr_and_momentum():
   steps = [0, 2, 4, 7, 10, 11, 14]
   np.testing.assert_allclose(values(cfg.scheduler, steps), want, rtol=1e-5)
   # beta1 is cycled inversely (step 0 keeps cycle_min_mom), beta2 := 0.99
-  tx = build_optimizer(cfg)
+  tx = build_optimizer(cfg.optimizer, cfg.scheduler)
   p = {"w": jnp.ones(2)}
   state, b1 = tx.init(p), []
   for _ in range(12):
@@ -607,13 +609,14 @@ def test_scheduler_validation():
 
 
 def test_every_accepted_key_is_documented():
-  from zero1_jax import config, ds_optim  # pylint: disable=import-outside-toplevel
+  from zero1_jax.deepspeed import keys as dskeys, optim, schedules
   doc = (ROOT / "docs" / "deepspeed_config.md").read_text()
-  keys = set(config._TOP) | {k.split(".", 1)[1] for k in config._NOTES if "." in k}
-  for cls in (config.FP16Config, config.BF16Config, config.ZeroConfig):
+  keys = set(dskeys.TOP_LEVEL) | {k.split(".", 1)[1] for k in dskeys.NOTES
+                                  if "." in k}
+  for cls in (FP16Config, BF16Config, ZeroConfig):
     keys |= {f.name for f in dataclasses.fields(cls)}
-  for spec in (ds_optim._FUSED_ADAM, ds_optim._TORCH_ADAM,
-               *ds_optim._PARAMS.values(), *ds_optim._SCHED_PARAMS.values()):
+  keys |= optim.known_params()
+  for spec in schedules.PARAMS.values():
     keys |= set(spec)
   keys |= {"torch_adam", "adam_w_mode", "decoupled_weight_decay",
            "legacy_fusion", "last_batch_iteration"}

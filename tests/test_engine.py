@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import zero1_jax as z1
-from zero1_jax import engine as zengine
-from zero1_jax.config import ConfigError
+from zero1_jax.deepspeed import engine as zengine
+from zero1_jax.deepspeed.config import ConfigError
 from helpers import (SEED_CONFIG, assert_close, batch, float_part, loss_fn,
                      mesh, odd_params)
 
@@ -22,7 +22,7 @@ def fp32_config(**over):
 
 
 def test_seed_config_builds_the_described_transform():
-  cfg = z1.config.load_config(SEED_CONFIG, world_size=4)
+  cfg = z1.load_config(SEED_CONFIG, world_size=4)
   tx = zengine.build_tx(cfg)
   assert tx.config.reduce == "all_reduce"                  # reduce_scatter: false
   assert tx.config.gather_bucket_bytes == int(5e8) * 2     # elements x fp16
@@ -98,7 +98,7 @@ def test_memory_report_is_measured():
   shard_elems = sum(l.shard_size for l in layout.leaves)
   state = (engine.opt_state.master, engine.opt_state.inner)
   scalars = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim == 0)
-  replicated_params = len(layout.indices(z1.layout.REPLICATE))  # 'gain'
+  replicated_params = len(layout.indices(z1.core.layout.REPLICATE))  # 'gain'
   hyper = scalars - 12 * replicated_params                  # counts, lr, ...
   assert r["sharded_bytes"] == 12 * shard_elems + hyper
   sharded_elems = sum(l.shard_size for l in layout.leaves if l.kind == "shard")

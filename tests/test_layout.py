@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zero1_jax import layout as lay
+from zero1_jax.core import layout as lay
 
 S = jax.ShapeDtypeStruct
 
@@ -77,7 +77,7 @@ def test_plan_is_cached_and_rejects_bad_n():
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_bert_base_pads_by_less_than_a_thousandth(n):
-  from experiments import bert
+  from zero1_jax.models import bert
   cfg = bert.make_config("bert-base-uncased", vocab_size=30522, max_len=512)
   shapes = jax.eval_shape(lambda: bert.init_params(cfg, jax.random.key(0)))
   layout = lay.plan(shapes, n)

@@ -37,9 +37,9 @@ from flax import nnx
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
-from zero1_jax import specs as zspecs
-from zero1_jax import step as zstep
-from zero1_jax.transform import Zero1Transformation
+from zero1_jax.core import specs as zspecs
+from zero1_jax.core import step as zstep
+from zero1_jax.core.transform import Zero1Transformation
 
 
 class TrainState(train_state.TrainState):

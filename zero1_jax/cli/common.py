@@ -80,10 +80,33 @@ def log_memory(engine, cfg) -> dict:
           "zero1_bytes_per_rank": list(per_rank.values()), "num_devices": n}
 
 
+class _NoBar:
+  """Stands in for tqdm when it is disabled or not installed."""
+
+  def update(self, n: int = 1) -> None:
+    del n
+
+  def set_postfix(self, **kw) -> None:
+    del kw
+
+  def close(self) -> None:
+    pass
+
+
+def has_progress_bar() -> bool:
+  """tqdm is an optional dependency (``pip install zero1_jax[cli]``)."""
+  try:
+    import tqdm  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
 def progress(total: int, initial: int = 0, disable: bool = False):
+  if disable or not has_progress_bar():
+    return _NoBar()
   from tqdm.auto import tqdm
-  return tqdm(total=total, initial=initial, disable=disable, unit="step",
-              dynamic_ncols=True)
+  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
 def read_history(out_dir: str, upto_step: int) -> list[dict]:
@@ -108,9 +131,14 @@ def append_metrics(out_dir: str, row: dict) -> None:
 
 def write_outputs(out_dir: str, history: list[dict], mem: dict, engine,
                   wall: float) -> dict:
-  from experiments import plots
-  plots.loss_curve(history, os.path.join(out_dir, "loss_curve.png"))
-  plots.memory_bars(mem, os.path.join(out_dir, "memory.png"))
+  try:
+    from zero1_jax.cli import plots
+  except ImportError:
+    print("[zero1-train] matplotlib is not installed: no plots written "
+          "(pip install 'zero1_jax[cli]')", flush=True)
+  else:
+    plots.loss_curve(history, os.path.join(out_dir, "loss_curve.png"))
+    plots.memory_bars(mem, os.path.join(out_dir, "memory.png"))
   losses = [h["loss"] for h in history if not h["skipped"]] or [float("nan")]
   k = max(1, len(losses) // 10)
   summary = {"steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
@@ -134,7 +162,7 @@ def setup_logging() -> None:
 
 def guarded(fn: Callable, args, prog: str) -> int:
   """Runs ``fn(args)``; bad input becomes one line on stderr and exit 2."""
-  from zero1_jax.config import ConfigError
+  from zero1_jax.deepspeed.config import ConfigError
   try:
     fn(args)
   except (UsageError, ConfigError, ValueError, FileNotFoundError) as e:

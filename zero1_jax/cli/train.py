@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--num_devices", type=int, default=None,
                  help="data-parallel devices (CPU: simulated). Default: all")
   p.add_argument("--model_name_or_path", default="bert-tiny",
-                 help="one of experiments.bert.SIZES (random init)")
+                 help="one of zero1_jax.models.bert.SIZES (random init)")
   p.add_argument("--per_device_train_batch_size", type=int, default=None)
   p.add_argument("--gradient_accumulation_steps", type=int, default=None)
   p.add_argument("--train_batch_size", type=int, default=None)
@@ -72,10 +72,11 @@ def _setup(args):
   """Joins the job, builds config, model, data and engine."""
   common.overlap_flags(args.deepspeed)
   jax = common.start_jax(args.num_devices)
-  from experiments import bert, data
-  from zero1_jax import config as zconfig
+  from zero1_jax import data
+  from zero1_jax.models import bert
+  from zero1_jax.deepspeed import config as zconfig
   from zero1_jax import distributed
-  from zero1_jax import engine as zengine
+  from zero1_jax.deepspeed import engine as zengine
 
   multi = distributed.initialize(
       args.coordinator_address, args.num_processes, args.process_id,
@@ -131,8 +132,9 @@ def run(args: argparse.Namespace) -> dict | None:
     with open(os.path.join(args.output_dir, "ds_config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
   history = common.read_history(args.output_dir, engine.global_steps)
+  log_lines = args.no_progress or not common.has_progress_bar()
   bar = common.progress(args.max_steps, initial=engine.global_steps,
-                        disable=args.no_progress or not main_process)
+                        disable=log_lines or not main_process)
   t0 = time.perf_counter()
   while engine.global_steps < args.max_steps:
     t = time.perf_counter()
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> dict | None:
     bar.update(1)
     bar.set_postfix(loss=f"{row['loss']:.3f}",
                     samples_s=f"{row['samples_per_s']:.1f}")
-    if main_process and args.no_progress and (
+    if main_process and log_lines and (
         row["step"] % args.logging_steps == 1 or row["step"] == args.max_steps):
       print(f"step {row['step']:5d} loss {row['loss']:.4f} scale "
             f"{row['loss_scale']:.0f} {row['samples_per_s']:.1f} samples/s",

@@ -15,7 +15,7 @@ loss_scaler.py) after every optimizer step:
 
 DeepSpeed raises when an overflow happens at the minimum scale; a jitted step
 cannot raise, so the state keeps the scale at the minimum and
-:class:`zero1_jax.engine.Engine` raises on the host instead.
+:class:`zero1_jax.deepspeed.engine.Engine` raises on the host instead.
 
 Example:
   >>> cfg = DynamicLossScale(initial_scale_power=4, loss_scale_window=2,

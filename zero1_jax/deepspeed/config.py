@@ -16,172 +16,21 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Mapping
+from typing import Mapping
+
+from zero1_jax.deepspeed import keys, optim
+from zero1_jax.deepspeed.schema import (BF16Config, ConfigError, FP16Config,
+                                        OptimizerConfig, SchedulerConfig,
+                                        ZeroConfig, as_bool, as_float, as_int,
+                                        inactive)
 
 logger = logging.getLogger("zero1_jax")
-
-
-class ConfigError(ValueError):
-  """Invalid or unsupported DeepSpeed configuration."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FP16Config:
-  """`fp16`, defaults from deepspeed/runtime/precision_config.py."""
-  enabled: bool = False
-  auto_cast: bool = False
-  loss_scale: float = 0.0  # 0 = dynamic loss scaling
-  initial_scale_power: int = 16
-  loss_scale_window: int = 1000
-  hysteresis: int = 2
-  consecutive_hysteresis: bool = False
-  min_loss_scale: int = 1
-  fp16_master_weights_and_grads: bool = False
-
-  @property
-  def dynamic_loss_scale(self) -> bool:
-    return self.loss_scale == 0
-
-  @property
-  def initial_scale(self) -> float:
-    return 2.0**self.initial_scale_power if self.loss_scale == 0 else float(
-        self.loss_scale)
-
-
-@dataclasses.dataclass(frozen=True)
-class BF16Config:
-  enabled: bool = False
-  immediate_grad_update: bool = False
-  check_grad_overflow: bool = False
-  bf16_master_weights_and_grads: bool = False
-  bf16_optimizer_states: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroConfig:
-  """`zero_optimization` (runtime/zero/config.py); sizes count elements."""
-  stage: int = 0
-  reduce_scatter: bool = True
-  reduce_bucket_size: int = 500_000_000
-  allgather_bucket_size: int = 500_000_000
-  overlap_comm: bool = False  # DeepSpeed default None -> (stage == 3)
-  contiguous_gradients: bool = True
-  allgather_partitions: bool = True
-  round_robin_gradients: bool = False
-  elastic_checkpoint: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  type: str
-  params: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-  type: str
-  params: dict = dataclasses.field(default_factory=dict)
-
-
-_ANY, _DICT, _MISSING = object(), object(), object()
-_XLA = "XLA schedules, fuses and overlaps collectives itself"
-_OVERLAP = ("XLA schedules collectives itself; zero1-train turns on XLA's "
-            "latency-hiding scheduler on GPU when it is true "
-            "(--xla_gpu_enable_latency_hiding_scheduler)")
-_TORCH = "PyTorch/CUDA-specific; no equivalent under JAX/XLA"
-_S3 = "only used by ZeRO stage 3"
-_OFF = "no CPU/NVMe offload under XLA"
-_MON = "DeepSpeed monitoring backend; use jax.profiler / your own logger"
-_NI = "feature not implemented by zero1_jax"
-_PROF = "DeepSpeed timers/profiler; use jax.profiler"
-# Accepted keys without effect: path -> (default, reason). A value equal to the
-# default (_ANY: any value; _DICT: a disabled section) logs one INFO line; any
-# other value is a request we cannot honour and raises a UserWarning.
-_NOTES: dict[str, tuple[Any, str]] = {
-    "wall_clock_breakdown": (_ANY, _PROF), "memory_breakdown": (_ANY, _PROF),
-    "flops_profiler": (_DICT, _PROF), "timers": (_DICT, _PROF),
-    "dump_state": (_ANY, _TORCH),
-    "prescale_gradients": (_ANY, "pre- or post-division give the same mean"),
-    "gradient_predivide_factor": (_ANY, "the mean of the gradients does not "
-                                  "depend on where the division happens"),
-    "sparse_gradients": (_ANY, "JAX gradients are always dense"),
-    "zero_force_ds_cpu_optimizer": (_ANY, _OFF), "aio": (_ANY, _OFF),
-    "disable_allgather": (_ANY, _XLA),
-    "graph_harvesting": (_ANY, "CUDA graphs; XLA compiles the whole step"),
-    "compile": (_ANY, "torch.compile; XLA compiles the whole step"),
-    "vocabulary_size": (_ANY, "tensor-core alignment hint only"),
-    "dataloader_drop_last": (_ANY, "data loading is outside zero1_jax"),
-    "checkpoint": (_ANY, "checkpoints are written with orbax"),
-    "seq_parallel_communication_data_type": (_ANY, "no sequence parallelism"),
-    "allgather_size": (_ANY, "legacy; read only with zero_optimization: true"),
-    "data_types": (_DICT, "gradients accumulate in their own dtype"),
-    "activation_checkpointing": (_DICT, "use jax.checkpoint in the model"),
-    "amp": (_DICT, "Apex AMP is PyTorch-only; use fp16 or bf16"),
-    "torch_autocast": (_DICT, _TORCH),
-    **{k: (_DICT, _MON) for k in ("tensorboard", "wandb", "csv_monitor",
-                                  "comet", "comms_logger")},
-    **{k: (_DICT, _NI) for k in (
-        "hybrid_engine", "autotuning", "progressive_layer_drop",
-        "curriculum_learning", "data_efficiency", "compression_training",
-        "eigenvalue", "sparse_attention", "elasticity")},
-    "fp16.auto_cast": (False, "the model chooses its compute dtype"),
-    "fp16.fp16_master_weights_and_grads": (False, "master weights are fp32"),
-    "bf16.immediate_grad_update": (_ANY, "the update is one XLA program"),
-    **{"bf16." + k: (False, "bf16 keeps fp32 master weights and state and "
-                     "never skips steps") for k in (
-                         "check_grad_overflow", "bf16_master_weights_and_grads",
-                         "bf16_optimizer_states")},
-    "zero_optimization.overlap_comm": (_ANY, _OVERLAP),
-    "zero_optimization.contiguous_gradients": (_ANY, "XLA owns buffer layout"),
-    "zero_optimization.allgather_partitions": (_ANY, "parameters are always "
-                                               "all-gathered, never broadcast"),
-    "zero_optimization.round_robin_gradients": (_ANY, "CPU-offload only"),
-    "zero_optimization.elastic_checkpoint": (_ANY, "orbax checkpoints "
-                                             "reshard to any world size"),
-    "zero_optimization.use_multi_rank_bucket_allreduce": (_ANY, _XLA),
-    "zero_optimization.load_from_fp32_weights": (_ANY, "orbax restores the "
-                                                 "fp32 master weights saved"),
-    "zero_optimization.ignore_unused_parameters": (_ANY, "unused parameters "
-                                                   "get zero gradients in JAX"),
-    "zero_optimization.enable_sanity_checks": (_ANY, _TORCH),
-    "zero_optimization.legacy_stage1": (False, "removed in DeepSpeed 0.5.9"),
-    **{"zero_optimization." + k: (_ANY, _S3) for k in (
-        "sub_group_size", "memory_efficient_linear", "override_module_apply",
-        "pipeline_loading_checkpoint", "log_trace_cache_warnings",
-        "gather_16bit_weights_on_model_save", "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
-        "stage3_max_live_parameters", "stage3_max_reuse_distance",
-        "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save",
-        "stage3_module_granularity_threshold",
-        "stage3_use_all_reduce_for_fetch_params")},
-    **{"zero_optimization." + k: (v, _OFF) for k, v in (
-        ("offload_optimizer", _DICT), ("offload_param", _DICT),
-        ("cpu_offload", False), ("cpu_offload_param", False),
-        ("cpu_offload_use_pin_memory", _ANY))},
-    **{"zero_optimization." + k: (v, "ZeRO++ / MiCS / ZenFlow: " + _NI)
-       for k, v in (("zero_hpz_partition_size", 1),
-                    ("zero_quantized_weights", False),
-                    ("zero_quantized_nontrainable_weights", False),
-                    ("zero_quantized_gradients", False),
-                    ("zeropp_loco_param", None), ("mics_shard_size", -1),
-                    ("mics_hierarchical_params_gather", False),
-                    ("zenflow", None))},
-}
-_TOP = {"train_batch_size", "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps", "steps_per_print", "gradient_clipping",
-        "fp16", "bf16", "bfloat16", "zero_optimization", "optimizer",
-        "scheduler", "zero_allow_untested_optimizer",
-        "communication_data_type"} | {k for k in _NOTES if "." not in k}
-_MIN = {"fp16.loss_scale": 0, "fp16.loss_scale_window": 1, "fp16.hysteresis": 1,
-        "fp16.min_loss_scale": 1, "zero_optimization.reduce_bucket_size": 0,
-        "zero_optimization.allgather_bucket_size": 0, "gradient_clipping": 0,
-        "steps_per_print": 1}
-_COMM_DTYPES = ("fp16", "bf16", "fp32")
+_MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedConfig:
+  """A validated DeepSpeed config: the batch triple resolved, sections typed."""
   train_batch_size: int
   train_micro_batch_size_per_gpu: int
   gradient_accumulation_steps: int
@@ -266,49 +115,12 @@ def _unknown(key: str, section: str, known) -> ConfigError:
   return ConfigError(f"unknown key '{key}' in section '{section}'{hint}")
 
 
-def _bool(path: str, v, minimum=None) -> bool:
-  del minimum
-  if isinstance(v, bool) or (type(v) is int and v in (0, 1)):
-    return bool(v)
-  raise ConfigError(f"{path} must be a boolean, got {v!r}")
-
-
-def _int(path: str, v, minimum=None) -> int:
-  if isinstance(v, float) and math.isfinite(v) and v == int(v):
-    v = int(v)  # JSON writes 5e8 as a float; DeepSpeed's pydantic accepts it
-  if isinstance(v, bool) or not isinstance(v, int):
-    raise ConfigError(f"{path} must be an integer, got {v!r}")
-  if minimum is not None and v < minimum:
-    raise ConfigError(f"{path} must be >= {minimum}, got {v}")
-  return v
-
-
-def _float(path: str, v, minimum=None) -> float:
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-    raise ConfigError(f"{path} must be a finite number, got {v!r}")
-  if minimum is not None and v < minimum:
-    raise ConfigError(f"{path} must be >= {minimum}, got {v!r}")
-  return float(v)
-
-
-def _inactive(v) -> bool:
-  if v is None or v is False or v == 0 or v == "none":
-    return True
-  if isinstance(v, Mapping):
-    if "enabled" in v:
-      return not v["enabled"]
-    if "device" in v:
-      return v["device"] in (None, "none")
-    return all(_inactive(x) for x in v.values())
-  return False
-
-
 _NOTED: set[str] = set()   # info lines already logged in this process
 
 
 def _note(path: str, value) -> None:
-  default, reason = _NOTES[path]
-  if default is _ANY or (_inactive(value) if default is _DICT
+  default, reason = keys.NOTES[path]
+  if default is keys.ANY or (inactive(value) if default is keys.DICT
                          else _same(value, default)):
     key = f"{path}={value!r}"
     if key not in _NOTED:     # once per process, not once per re-validation
@@ -327,7 +139,7 @@ def _section(raw: Mapping, key: str, cls) -> dict:
     raise ConfigError(f"section '{key}' must be an object, got {d!r}")
   name = "bf16" if key == "bfloat16" else key
   fields = {f.name: f.default for f in dataclasses.fields(cls)}
-  notes = {p.split(".", 1)[1] for p in _NOTES if p.startswith(name + ".")}
+  notes = {p.split(".", 1)[1] for p in keys.NOTES if p.startswith(name + ".")}
   vals = {}
   for k, v in d.items():
     path = f"{name}.{k}"
@@ -339,10 +151,10 @@ def _section(raw: Mapping, key: str, cls) -> dict:
       continue
     if k in fields:
       dflt = fields[k]
-      check = _bool if isinstance(dflt, bool) else (
-          _int if isinstance(dflt, int) else _float)
-      v = vals[k] = check(path, v, _MIN.get(path))
-    if path in _NOTES:
+      check = as_bool if isinstance(dflt, bool) else (
+          as_int if isinstance(dflt, int) else as_float)
+      v = vals[k] = check(path, v, keys.MINIMUM.get(path))
+    if path in keys.NOTES:
       _note(path, v)
   return vals
 
@@ -399,7 +211,7 @@ def _resolve_batch(raw: Mapping, ws: int) -> tuple[int, int, int]:
   """runtime/config.py _set_batch_related_parameters + _batch_assertion."""
   names = ("train_batch_size", "train_micro_batch_size_per_gpu",
            "gradient_accumulation_steps")
-  tb, mb, ga = (None if raw.get(k) is None else _int(k, raw[k]) for k in names)
+  tb, mb, ga = (None if raw.get(k) is None else as_int(k, raw[k]) for k in names)
   if ga is not None and ga <= 0:
     raise ConfigError(f"Gradient accumulation steps: {ga} has to be greater "
                       "than 0")
@@ -438,16 +250,16 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
                       f"{type(raw).__name__}")
   raw = copy.deepcopy(dict(raw))
   for k, v in raw.items():
-    if k not in _TOP:
-      raise _unknown(k, "<top level>", _TOP)
+    if k not in keys.TOP_LEVEL:
+      raise _unknown(k, "<top level>", keys.TOP_LEVEL)
     if v == "auto":
       raise ConfigError(f"{k}='auto' must be filled in before loading (the HF "
                         "Trainer does that, DeepSpeed does not)")
   if world_size is None:
     import jax  # pylint: disable=import-outside-toplevel
     world_size = jax.device_count()
-  world_size = _int("world_size", world_size, 1)
-  if not _inactive(raw.get("elasticity")):
+  world_size = as_int("world_size", world_size, 1)
+  if not inactive(raw.get("elasticity")):
     raise ConfigError("elasticity is not supported: it makes DeepSpeed choose "
                       "the batch sizes; give the batch triple explicitly")
   fp16 = FP16Config(**_section(raw, "fp16", FP16Config))
@@ -457,18 +269,18 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
     raise ConfigError("bfloat16 and fp16 modes cannot be simultaneously "
                       "enabled (fp16.enabled and bf16.enabled are both true)")
   zero = _parse_zero(raw)
-  if zero.stage >= 1 and not _inactive(raw.get("amp")):
+  if zero.stage >= 1 and not inactive(raw.get("amp")):
     raise ConfigError("Amp and ZeRO are not currently compatible, please use "
                       "(legacy) fp16 mode which performs similar to amp "
                       "opt_mode=O2")
   comm = raw.get("communication_data_type")
   if comm is not None:
-    if not isinstance(comm, str) or comm.lower() not in _COMM_DTYPES:
+    if not isinstance(comm, str) or comm.lower() not in keys.COMM_DTYPES:
       raise ConfigError("Invalid communication_data_type. Supported data "
-                        f"types: {list(_COMM_DTYPES)}. Got: {comm!r}")
+                        f"types: {list(keys.COMM_DTYPES)}. Got: {comm!r}")
     comm = comm.lower()
   for k, v in raw.items():
-    if k in _NOTES:
+    if k in keys.NOTES:
       _note(k, v)
   tb, mb, ga = _resolve_batch(raw, world_size)
   spp = raw.get("steps_per_print")
@@ -477,15 +289,15 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
       gradient_accumulation_steps=ga, world_size=world_size, fp16=fp16,
       bf16=bf16, zero=zero, optimizer=_named(raw, "optimizer", OptimizerConfig),
       scheduler=_named(raw, "scheduler", SchedulerConfig),
-      gradient_clipping=_float("gradient_clipping",
+      gradient_clipping=as_float("gradient_clipping",
                                raw.get("gradient_clipping", 0.0), 0),
-      steps_per_print=None if spp is None else _int("steps_per_print", spp, 1),
-      zero_allow_untested_optimizer=_bool(
+      steps_per_print=None if spp is None else as_int("steps_per_print", spp, 1),
+      zero_allow_untested_optimizer=as_bool(
           "zero_allow_untested_optimizer",
           raw.get("zero_allow_untested_optimizer", False)),
       communication_data_type=comm, raw=raw, source=source)
-  from zero1_jax import ds_optim  # pylint: disable=import-outside-toplevel
-  ds_optim.validate(cfg)
+  optim.check(cfg.optimizer, cfg.scheduler, zero_stage=cfg.zero.stage,
+              allow_untested=cfg.zero_allow_untested_optimizer)
   return cfg
 
 

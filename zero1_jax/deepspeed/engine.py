@@ -23,10 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero1_jax import config as zconfig
-from zero1_jax import distributed, ds_optim, inspect, precision
-from zero1_jax import step as zstep
-from zero1_jax.transform import Zero1Transformation, zero1
+from zero1_jax.deepspeed import config as zconfig
+from zero1_jax import checkpoint, distributed, inspect
+from zero1_jax.deepspeed import optim as ds_optim
+from zero1_jax.core import precision
+from zero1_jax.core import step as zstep
+from zero1_jax.core.transform import Zero1Transformation, zero1
 
 logger = logging.getLogger("zero1_jax")
 _COMM = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
@@ -42,7 +44,7 @@ def compute_dtype(cfg: zconfig.DeepSpeedConfig):
 
 
 def loss_scale_policy(cfg: zconfig.DeepSpeedConfig) -> precision.LossScale:
-  """DeepSpeed's fp16 section as a :mod:`zero1_jax.precision` policy."""
+  """DeepSpeed's fp16 section as a :mod:`zero1_jax.core.precision` policy."""
   f = cfg.fp16
   if not f.enabled:
     return precision.NoLossScale()
@@ -70,7 +72,7 @@ def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
   comm = (_COMM[cfg.communication_data_type]
           if cfg.communication_data_type else None)
   return zero1(
-      ds_optim.build_optimizer(cfg), axis_name=axis_name,
+      ds_optim.build_optimizer(cfg.optimizer, cfg.scheduler), axis_name=axis_name,
       reduce="reduce_scatter" if cfg.zero.reduce_scatter else "all_reduce",
       bucket_bytes=int(cfg.zero.reduce_bucket_size) * itemsize,
       gather_bucket_bytes=int(cfg.zero.allgather_bucket_size) * itemsize,
@@ -154,7 +156,6 @@ class Engine:
   # -- checkpoints (orbax; see zero1_jax.checkpoint) -------------------------
 
   def _checkpointer(self, directory, max_to_keep=None):
-    from zero1_jax import checkpoint
     key = os.path.abspath(os.fspath(directory))
     if key not in self._ckpts:
       self._ckpts[key] = checkpoint.Checkpointer(key, max_to_keep=max_to_keep)

@@ -8,7 +8,7 @@ data it would have seen without the interruption. numpy only, no jax.
 
 Example::
 
-    from experiments import data
+    from zero1_jax import data
 
     corpus = data.load_corpus(None)            # stdlib *.py sources, <= 8 MB
     batches = data.MLMBatches(corpus, seq_len=128, batch_size=32, seed=0)

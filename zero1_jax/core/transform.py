@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zero1_jax import collectives as col
-from zero1_jax import layout as lay
-from zero1_jax import precision
+from zero1_jax.core import collectives as col
+from zero1_jax.core import layout as lay
+from zero1_jax.core import precision
 
 
 class Zero1State(NamedTuple):
@@ -105,13 +105,6 @@ def _axis_size(axis_name: str) -> int:
         f"axis_name=<your data axis> to zero1).") from e
 
 
-def _inner_tree(layout: lay.Layout, values: list):
-  """Param-structured tree for the inner optimizer; None at static leaves."""
-  return layout.treedef.unflatten(
-      [None if s.kind == lay.STATIC else v
-       for s, v in zip(layout.leaves, values)])
-
-
 def _leaves_with_none(tree) -> list:
   return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
 
@@ -162,7 +155,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     master_dtype: dtype of the sharded master weights and of the gradient
       arithmetic (float32).
     max_grad_norm: clip by the exact global norm (optax semantics), or None.
-    loss_scale: a :mod:`zero1_jax.precision` policy. None: dynamic
+    loss_scale: a :mod:`zero1_jax.core.precision` policy. None: dynamic
       (DeepSpeed defaults) when any parameter is float16, otherwise none.
     reduce_dtype: dtype gradients travel in (default: their own dtype).
     check_elementwise: probe ``inner`` on a tiny tree at init and refuse it
@@ -192,7 +185,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
         x = col.local_shard(x, spec, axis)
       master.append(None if spec.kind == lay.STATIC
                     else jnp.asarray(x).astype(cfg.master_dtype))
-    master = _inner_tree(layout, master)
+    master = layout.inner_tree(master)
     return Zero1State(master, inner.init(master),
                       _loss_scaler(cfg, params).init())
 
@@ -232,7 +225,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                else jnp.bool_(False))
 
     # 3. Inner update on the master shards.
-    g_tree = _inner_tree(layout, [g.get(i) for i in range(len(layout.leaves))])
+    g_tree = layout.inner_tree([g.get(i) for i in range(len(layout.leaves))])
     updates, new_inner = inner.update(g_tree, state.inner, state.master)
     new_master = optax.apply_updates(state.master, updates)
     if scaler.skips_on_overflow:

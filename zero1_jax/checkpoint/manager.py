@@ -13,7 +13,7 @@ replicated parameters), ``state`` (every :class:`Zero1State` leaf: master
 copy, inner optimizer state and loss-scale state, each sharded leaf written
 shard by shard by the devices that own it), ``meta`` (JSON manifest: N, every
 leaf's path, shape, dtype and shard dim, and ``config``) and ``extra`` (the
-caller's JSON). See ``docs/checkpoint.md`` and :mod:`zero1_jax.reshard`.
+caller's JSON). See ``docs/checkpoint.md`` and :mod:`zero1_jax.checkpoint.reshard`.
 
 A step is loaded only once committed: orbax writes into a temporary directory
 and renames it (or, on object stores, writes ``commit_success.txt`` last);
@@ -33,10 +33,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zero1_jax import reshard
-from zero1_jax.reshard import (CheckpointError, CheckpointMismatchError,
+from zero1_jax.checkpoint import reshard
+from zero1_jax.checkpoint.reshard import (CheckpointError, CheckpointMismatchError,
                                UnreadableCheckpointError)
-from zero1_jax.transform import Zero1State
+from zero1_jax.core.transform import Zero1State
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointMismatchError",
            "UnreadableCheckpointError", "export_params", "load_params"]

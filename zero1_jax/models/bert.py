@@ -8,7 +8,7 @@ parameters and the compute dtype may be float16/bfloat16.
 Example::
 
     import jax, jax.numpy as jnp
-    from experiments import bert
+    from zero1_jax.models import bert
 
     cfg = bert.make_config("bert-tiny", vocab_size=260, max_len=128)
     params = bert.init_params(cfg, jax.random.key(0), param_dtype=jnp.bfloat16)

@@ -26,9 +26,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from zero1_jax import layout as lay
-from zero1_jax import step as zstep
-from zero1_jax.transform import Zero1State, _inner_tree
+from zero1_jax.core import layout as lay
+from zero1_jax.core import step as zstep
+from zero1_jax.core.transform import Zero1State
 
 FORMAT = "zero1_jax.checkpoint/1"
 
@@ -202,7 +202,7 @@ def check(meta: dict, tx, params_template, mesh, where: str
   mdt = tx.config.master_dtype
 
   def abstract(shape_of):
-    master = _inner_tree(layout, [jax.ShapeDtypeStruct(shape_of(s), mdt)
+    master = layout.inner_tree([jax.ShapeDtypeStruct(shape_of(s), mdt)
                                   for s in layout.leaves])
     ls = jax.eval_shape(tx.loss_scaler(params_template).init)
     return Zero1State(master, jax.eval_shape(tx.inner.init, master), ls)

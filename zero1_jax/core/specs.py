@@ -27,9 +27,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zero1_jax import layout as lay
-from zero1_jax import precision
-from zero1_jax.transform import Zero1State, Zero1Transformation, _inner_tree
+from zero1_jax.core import layout as lay
+from zero1_jax.core import precision
+from zero1_jax.core.transform import Zero1State, Zero1Transformation
 
 _REFUSAL = (
     "zero1: the inner optimizer is not elementwise ({why}); ZeRO-1 runs it on "
@@ -58,7 +58,7 @@ def state_specs(tx: Zero1Transformation, params: Any, num_shards: int) -> Zero1S
       if grow and s.kind == lay.SHARD:
         shape[s.dim] += i + 1
       out.append(jax.ShapeDtypeStruct(tuple(shape), mdt))
-    return _inner_tree(layout, out)
+    return layout.inner_tree(out)
 
   a = jax.eval_shape(tx.inner.init, shards(False))
   b = jax.eval_shape(tx.inner.init, shards(True))
@@ -83,7 +83,7 @@ def state_specs(tx: Zero1Transformation, params: Any, num_shards: int) -> Zero1S
               f"is not shaped like any parameter shard"))
     inner_specs.append(_spec(hit[1].dim, len(x.shape), axis))
   inner = a_def.unflatten(inner_specs)
-  master = _inner_tree(layout, [
+  master = layout.inner_tree([
       _spec(s.dim, len(s.shape), axis) if s.kind == lay.SHARD else P()
       for s in layout.leaves])
   ls = precision.LossScaleState(P(), P(), P(), P())
@@ -101,8 +101,8 @@ def check_elementwise(tx: Zero1Transformation, params: Any) -> None:
     full_g.append((rng.normal(size=shape) * 1e3).astype(np.float32))
 
   def run(ps, gs):
-    p = _inner_tree(layout, [jnp.asarray(x) for x in ps])
-    g = _inner_tree(layout, [jnp.asarray(x) for x in gs])
+    p = layout.inner_tree([jnp.asarray(x) for x in ps])
+    g = layout.inner_tree([jnp.asarray(x) for x in gs])
     state = tx.inner.init(p)
     u, state = tx.inner.update(g, state, p)
     u2, state = tx.inner.update(g, state, optax.apply_updates(p, u))

@@ -93,6 +93,12 @@ class Layout(NamedTuple):
   def indices(self, kind: str) -> list[int]:
     return [i for i, l in enumerate(self.leaves) if l.kind == kind]
 
+  def inner_tree(self, values: Sequence) -> Any:
+    """Param-structured tree of ``values`` (one per leaf) for the inner
+    optimizer; None at static leaves (the inner optimizer never sees them)."""
+    return self.treedef.unflatten(
+        [None if s.kind == STATIC else v for s, v in zip(self.leaves, values)])
+
   def state_bytes_per_device(self, master_itemsize: int = 4,
                              copies: int = 3) -> int:
     """Bytes of ``copies`` state trees (master, mu, nu) held by one device."""

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zero1_jax import specs as zspecs
-from zero1_jax.transform import Zero1State, Zero1Transformation
+from zero1_jax.core import specs as zspecs
+from zero1_jax.core.transform import Zero1State, Zero1Transformation
 
 
 def _axis_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh) -> int:

@@ -1,4 +1,4 @@
-"""Bucketed collectives over a :mod:`zero1_jax.layout` plan.
+"""Bucketed collectives over a :mod:`zero1_jax.core.layout` plan.
 
 Every function here runs inside ``shard_map`` over ``axis_name`` and works on
 lists of leaves indexed like ``Layout.leaves``.
@@ -22,7 +22,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from zero1_jax.layout import Bucket, Layout, LeafSpec, REPLICATE
+from zero1_jax.core.layout import Bucket, Layout, LeafSpec, REPLICATE
 
 
 def rank_major(x: jax.Array, spec: LeafSpec, n: int) -> jax.Array:

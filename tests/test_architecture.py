@@ -1,0 +1,129 @@
+"""The package layout as a specification: imports point one way.
+
+Every import in ``zero1_jax`` (function-level ones included) is read with
+``ast``; the module graph must have no cycle, no module may import another's
+private name, and each layer imports only the layers below it
+(docs/architecture.md):
+
+  cli -> deepspeed -> {checkpoint, flax, distributed, inspect} -> core
+  models, data: leaves the CLI uses (nothing of zero1_jax below them)
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "zero1_jax"
+
+# layer of each top-level part -> the parts it may import
+ALLOWED = {
+    "core": {"core"},
+    "checkpoint": {"core", "checkpoint"},
+    "flax": {"core"},
+    "distributed": set(),
+    "inspect": set(),
+    "data": set(),
+    "models": {"models"},
+    "deepspeed": {"core", "checkpoint", "distributed", "inspect", "deepspeed"},
+    "cli": {"cli", "deepspeed", "checkpoint", "distributed", "inspect", "data",
+            "models", "core"},
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+  rel = path.relative_to(PKG.parent).with_suffix("")
+  parts = list(rel.parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  return {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def _imports(path: pathlib.Path, mods) -> list[tuple[str, str | None]]:
+  """(imported zero1_jax module, imported name or None) for every import."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out += [(a.name, None) for a in node.names if a.name.startswith("zero1_jax")]
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+        "zero1_jax"):
+      for a in node.names:
+        sub = f"{node.module}.{a.name}"
+        out.append((sub, None) if sub in mods else (node.module, a.name))
+  return out
+
+
+def _graph():
+  mods = _modules()
+  return mods, {m: {t for t, _ in _imports(p, mods) if t != "zero1_jax"}
+                for m, p in mods.items()}
+
+
+def _part(mod: str) -> str:
+  return mod.split(".")[1] if "." in mod else ""
+
+
+def test_no_import_cycles_even_deferred():
+  _, graph = _graph()
+  state: dict[str, int] = {}
+
+  def visit(m, stack):
+    state[m] = 1
+    for t in sorted(graph.get(m, ())):
+      if t not in graph:
+        continue
+      if state.get(t) == 1:
+        pytest.fail("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+      if not state.get(t):
+        visit(t, stack + [t])
+    state[m] = 2
+
+  for m in sorted(graph):
+    if not state.get(m):
+      visit(m, [m])
+
+
+def test_no_module_imports_private_names():
+  mods = _modules()
+  bad = [f"{m} imports {src}.{name}" for m, p in mods.items()
+         for src, name in _imports(p, mods)
+         if name and name.startswith("_") and name != "__version__"]
+  assert not bad, bad
+
+
+def test_layers_import_only_downwards():
+  mods, graph = _graph()
+  bad = []
+  for m, targets in graph.items():
+    part = _part(m)
+    if not part:  # zero1_jax/__init__.py: the public API re-exports all
+      continue
+    for t in targets:
+      if t in mods and _part(t) not in ALLOWED[part]:
+        bad.append(f"{m} -> {t}")
+  assert not bad, bad
+
+
+def test_every_part_has_a_layer():
+  assert {_part(m) for m in _modules()} - {""} == set(ALLOWED)
+
+
+def test_the_library_never_imports_experiments():
+  """experiments/ runs from the repo and is not installed (pyproject)."""
+  import tomllib
+  cfg = tomllib.loads((PKG.parent / "pyproject.toml").read_text())
+  assert cfg["tool"]["setuptools"]["packages"]["find"]["include"] == ["zero1_jax*"]
+  bad = []
+  for m, p in _modules().items():
+    for node in ast.walk(ast.parse(p.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+               else [node.module or ""] if isinstance(node, ast.ImportFrom)
+               else [])
+      bad += [f"{m} imports {n}" for n in names
+              if n.split(".")[0] == "experiments"]
+  assert not bad, bad
