@@ -274,7 +274,7 @@ def record(name, ds_config, data, note, rank):
           "params": {n: list(v.shape) for n, v in init.items()},
           "param_order": list(init),
       },
-      "loss": "per rank F.mse_loss(pred, y) (mean over micro rows and 5 outputs); "
+      "loss_definition": "per rank F.mse_loss(pred, y) (mean over micro rows and 5 outputs); "
               "DeepSpeed divides by gradient_accumulation_steps and averages over ranks, "
               "so the update uses the gradient of the MSE over all rows of the step. "
               "loss[s] is that global mean before step s.",
