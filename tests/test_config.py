@@ -65,7 +65,7 @@ def test_seed_config_loads_as_is_from_file_and_dict():
                                 overlap_comm=True)
   assert type(cfg.zero.allgather_bucket_size) is int  # 5e8 is a JSON float
   assert cfg.fp16 == FP16Config(enabled=True) and cfg.bf16 == BF16Config()
-  assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print is None
+  assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print is None
   assert cfg.optimizer.type == "Adam" and cfg.optimizer.params["lr"] == 2e-5
   assert cfg.scheduler is None and cfg.raw == SEED
 
@@ -142,8 +142,11 @@ def test_fp16_defaults_are_deepspeeds():
 @pytest.mark.parametrize("fp16,needle", [
     ({"loss_scale": -1}, "fp16.loss_scale must be >= 0"),
     ({"loss_scale": True}, "fp16.loss_scale must be a finite number"),
-    ({"hysteresis": 0}, "fp16.hysteresis must be >= 1"),
-    ({"loss_scale_window": 0}, "fp16.loss_scale_window must be >= 1"),
+    ({"enabled": True, "hysteresis": 0}, "fp16.hysteresis=0 is not supported"),
+    ({"enabled": True, "loss_scale_window": 0},
+     "fp16.loss_scale_window must be > 0 with dynamic loss scaling"),
+    ({"enabled": True, "min_loss_scale": 0},
+     "fp16.min_loss_scale must be > 0 with dynamic loss scaling"),
     ({"min_loss_scale": 0.5}, "fp16.min_loss_scale must be an integer"),
     ({"enabled": "yes"}, "fp16.enabled must be a boolean"),
     ({"loss_scale_windw": 5}, "unknown key 'loss_scale_windw' in section "
@@ -167,15 +170,81 @@ def test_bf16_and_legacy_bfloat16_key():
   err({"train_batch_size": 8, "fp16": {"enabled": True},
        "bf16": {"enabled": True}},
       "bfloat16 and fp16 modes cannot be simultaneously enabled")
-  with pytest.warns(UserWarning, match="bf16.check_grad_overflow"):
-    base(bf16={"enabled": True, "check_grad_overflow": True})
+  # DeepSpeed 0.19: check_grad_overflow defaults to true (precision_config.py)
+  assert base(bf16={"enabled": True}).bf16.check_grad_overflow
+  assert not base(bf16={"enabled": True, "check_grad_overflow": False}
+                  ).bf16.check_grad_overflow
+
+
+def test_fp16_range_checks_only_for_dynamic_fp16():
+  """runtime/precision_config.py checks window / min scale only when dynamic
+  fp16 is on: the same values load with fp16 off or a static scale."""
+  assert base(fp16={"loss_scale_window": 0, "min_loss_scale": 0,
+                    "hysteresis": 0}).fp16.loss_scale_window == 0
+  assert base(fp16={"enabled": True, "loss_scale": 128,
+                    "loss_scale_window": 0}).fp16.loss_scale == 128
 
 
 def test_gradient_clipping():
-  assert base().gradient_clipping == 0.0
-  assert base(gradient_clipping=1).gradient_clipping == 1.0
-  err({"train_batch_size": 8, "gradient_clipping": -1.0},
-      "gradient_clipping must be >= 0")
+  # DeepSpeed 0.19: GRADIENT_CLIPPING_DEFAULT = 1.0 (runtime/constants.py);
+  # any value <= 0 turns clipping off (zero/stage_1_and_2.py `clip_grad > 0`).
+  assert base().gradient_clipping == 1.0
+  assert base(gradient_clipping=0.5).gradient_clipping == 0.5
+  assert base(gradient_clipping=-1.0).gradient_clipping == -1.0
+  err({"train_batch_size": 8, "gradient_clipping": "big"},
+      "gradient_clipping must be a finite number")
+
+
+def test_compute_grad_norm_false_needs_clipping_off():
+  cfg = base(zero_optimization={"stage": 1, "compute_grad_norm": False},
+             gradient_clipping=0)
+  assert not cfg.zero.compute_grad_norm
+  err({"train_batch_size": 8,
+       "zero_optimization": {"stage": 1, "compute_grad_norm": False}},
+      "compute_grad_norm=false requires gradient_clipping=0")
+
+
+@pytest.mark.parametrize("key", ["amp", "sparse_gradients", "elasticity",
+                                 "graph_harvesting", "curriculum_learning",
+                                 "progressive_layer_drop", "eigenvalue",
+                                 "compression_training", "sparse_attention",
+                                 "nebula", "quantize_training"])
+def test_removed_keys_are_errors_even_when_disabled(key):
+  """runtime/config.py _reject_removed_config_keys: present at all = error,
+  checked before anything else (here: before a bad batch size)."""
+  err({"train_batch_size": -3, key: {"enabled": False}},
+      f"'{key}' (", "DeepSpeed 0.19 removed it")
+
+
+@pytest.mark.parametrize("key,value", [("mics_shard_size", -1),
+                                       ("mics_hierarchical_params_gather", False),
+                                       ("zeropp_loco_param", None)])
+def test_removed_zero_keys_are_errors(key, value):
+  err({"train_batch_size": 8, "zero_optimization": {"stage": 1, key: value}},
+      f"'zero_optimization.{key}' (", "removed it")
+
+
+def test_keys_deepspeed_019_accepts():
+  """Keys 0.19.8 reads that have no effect here load with one INFO line."""
+  cfg = base(log_level="info", disable_python_gc=True,
+             managed_gradient_accumulation=True, gradient_allreduce_op="MEAN",
+             zero_optimization={"stage": 1, "compute_grad_norm": True,
+                                "parameter_alignment": True,
+                                "prefetch_bucket_size": 10,
+                                "stage3_allgather_sequential": False},
+             optimizer={"type": "AdamW", "params": {
+                 "fp32_optimizer_states": True}})
+  assert cfg.zero.compute_grad_norm
+  err({"train_batch_size": 8, "gradient_allreduce_op": "max"},
+      "Invalid gradient_allreduce_op")
+  err({"train_batch_size": 8, "gradient_allreduce_op": "sum"},
+      "gradient_allreduce_op='sum'", "not supported")
+  err({"train_batch_size": 8, "sequence_parallel_size": 2},
+      "sequence_parallel_size=2 is not supported")
+  with pytest.warns(UserWarning, match="managed_gradient_accumulation"):
+    base(managed_gradient_accumulation=False)
+  with pytest.warns(UserWarning, match="tensor_parallel"):
+    base(tensor_parallel={"autotp_size": 2})
 
 
 # ----------------------------------------------------------------- zero
@@ -243,10 +312,7 @@ def test_top_level_no_effect_and_unhonoured_keys(caplog):
   with pytest.warns(UserWarning, match="tensorboard.*not honoured"):
     base(tensorboard={"enabled": True, "output_path": "/tmp"})
   err({"train_batch_size": 8, "elasticity": {"enabled": True}},
-      "elasticity is not supported")
-  err({"train_batch_size": 8, "amp": {"enabled": True},
-       "zero_optimization": {"stage": 1}}, "Amp and ZeRO are not currently "
-      "compatible")
+      "'elasticity' (", "removed it")
 
 
 def test_steps_per_print_and_communication_data_type():
@@ -291,7 +357,7 @@ def test_with_overrides():
   new = cfg.with_overrides(train_micro_batch_size_per_gpu=8, steps_per_print=5,
                            gradient_clipping=None, fp16=True)
   assert new.steps_per_print == 5 and cfg.steps_per_print is None
-  assert new.gradient_clipping == 0.0
+  assert new.gradient_clipping == 1.0
   assert cfg.with_overrides(**{"fp16.loss_scale": 64}).fp16.loss_scale == 64
   assert cfg.with_overrides(zero_optimization__reduce_bucket_size=10
                             ).zero.reduce_bucket_size == 10
@@ -437,9 +503,9 @@ def test_lion_decoupled_weight_decay_and_deepspeed_betas():
 
 @pytest.mark.parametrize("type_,needle", [
     ("Lamb", "needs an elementwise optimizer"),
-    ("OneBitLamb", "needs an elementwise optimizer"),
     ("Muon", "needs an elementwise optimizer"),
-    ("OneBitAdam", "1bit-Adam is not compatible with ZeRO"),
+    # 0.19.8 has no 1-bit optimizers: the name is a torch.optim lookup that fails
+    ("OneBitAdam", "unknown or unsupported optimizer.type='OneBitAdam'"),
     ("MuAdam", "width multipliers"),
     ("Adafactor", "supported: Adam, AdamW, SGD, Adagrad, Lion, RMSprop"),
     ("sgd", "did you mean 'SGD'"),

@@ -27,7 +27,7 @@ def test_seed_config_builds_the_described_transform():
   assert tx.config.reduce == "all_reduce"                  # reduce_scatter: false
   assert tx.config.gather_bucket_bytes == int(5e8) * 2     # elements x fp16
   assert tx.config.loss_scale == z1.DynamicLossScale()      # DeepSpeed defaults
-  assert tx.config.max_grad_norm is None                   # gradient_clipping 0
+  assert tx.config.max_grad_norm == 1.0   # no gradient_clipping key: 0.19 clips at 1.0
 
 
 def test_engine_equals_optax_with_clipping_and_accumulation():

@@ -46,8 +46,16 @@ class LossScaleState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class NoLossScale:
-  """No loss scaling (fp32 and bf16 training). Steps are never skipped."""
+  """No loss scaling (fp32 and bf16 training).
 
+  By default every step is applied, as in optax. ``skip_nonfinite=True``
+  skips a step whose global gradient norm is inf/nan (master weights and
+  inner state kept, so Adam's count and the lr schedule do not advance), as
+  DeepSpeed 0.19's ZeRO-1 does for fp32 and for bf16 with
+  ``check_grad_overflow``.
+  """
+
+  skip_nonfinite: bool = False
   dynamic: bool = dataclasses.field(default=False, init=False)
 
   def init(self) -> LossScaleState:
@@ -59,7 +67,7 @@ class NoLossScale:
 
   @property
   def skips_on_overflow(self) -> bool:
-    return False
+    return self.skip_nonfinite
 
 
 @dataclasses.dataclass(frozen=True)

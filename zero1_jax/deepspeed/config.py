@@ -38,7 +38,7 @@ class DeepSpeedConfig:
   fp16: FP16Config = FP16Config()
   bf16: BF16Config = BF16Config()
   zero: ZeroConfig = ZeroConfig()
-  gradient_clipping: float = 0.0
+  gradient_clipping: float = 1.0   # DeepSpeed 0.19's default; <= 0: off
   optimizer: OptimizerConfig | None = None
   scheduler: SchedulerConfig | None = None
   steps_per_print: int | None = None
@@ -249,6 +249,9 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
     raise ConfigError("a DeepSpeed config must be a JSON object, got "
                       f"{type(raw).__name__}")
   raw = copy.deepcopy(dict(raw))
+  removed = keys.removed_key_error(raw)   # DeepSpeed checks these first
+  if removed:
+    raise ConfigError(removed)
   for k, v in raw.items():
     if k not in keys.TOP_LEVEL:
       raise _unknown(k, "<top level>", keys.TOP_LEVEL)
@@ -259,20 +262,15 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
     import jax  # pylint: disable=import-outside-toplevel
     world_size = jax.device_count()
   world_size = as_int("world_size", world_size, 1)
-  if not inactive(raw.get("elasticity")):
-    raise ConfigError("elasticity is not supported: it makes DeepSpeed choose "
-                      "the batch sizes; give the batch triple explicitly")
+  _check_parallelism(raw)
   fp16 = FP16Config(**_section(raw, "fp16", FP16Config))
   bf16 = BF16Config(**_section(
       raw, "bf16" if raw.get("bf16") is not None else "bfloat16", BF16Config))
   if fp16.enabled and bf16.enabled:
     raise ConfigError("bfloat16 and fp16 modes cannot be simultaneously "
                       "enabled (fp16.enabled and bf16.enabled are both true)")
+  _check_dynamic_fp16(fp16)
   zero = _parse_zero(raw)
-  if zero.stage >= 1 and not inactive(raw.get("amp")):
-    raise ConfigError("Amp and ZeRO are not currently compatible, please use "
-                      "(legacy) fp16 mode which performs similar to amp "
-                      "opt_mode=O2")
   comm = raw.get("communication_data_type")
   if comm is not None:
     if not isinstance(comm, str) or comm.lower() not in keys.COMM_DTYPES:
@@ -290,15 +288,53 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
       bf16=bf16, zero=zero, optimizer=_named(raw, "optimizer", OptimizerConfig),
       scheduler=_named(raw, "scheduler", SchedulerConfig),
       gradient_clipping=as_float("gradient_clipping",
-                               raw.get("gradient_clipping", 0.0), 0),
+                                 raw.get("gradient_clipping", 1.0)),
       steps_per_print=None if spp is None else as_int("steps_per_print", spp, 1),
       zero_allow_untested_optimizer=as_bool(
           "zero_allow_untested_optimizer",
           raw.get("zero_allow_untested_optimizer", False)),
       communication_data_type=comm, raw=raw, source=source)
+  if not zero.compute_grad_norm and cfg.gradient_clipping > 0:
+    raise ConfigError("zero_optimization.compute_grad_norm=false requires "
+                      "gradient_clipping=0 (DeepSpeed 0.19 clips by 1.0 when "
+                      "the key is absent: set \"gradient_clipping\": 0)")
   optim.check(cfg.optimizer, cfg.scheduler, zero_stage=cfg.zero.stage,
               allow_untested=cfg.zero_allow_untested_optimizer)
   return cfg
+
+
+def _check_parallelism(raw: Mapping) -> None:
+  """Keys that change what a data-parallel rank is, or reduce differently."""
+  sp = raw.get("sequence_parallel_size", 1)
+  if as_int("sequence_parallel_size", sp, 1) != 1:
+    raise ConfigError(f"sequence_parallel_size={sp} is not supported: "
+                      "zero1_jax is data parallel only (DeepSpeed would also "
+                      "divide the data-parallel size by it). Remove the key.")
+  op = raw.get("gradient_allreduce_op", "mean")
+  if not isinstance(op, str) or op.lower() not in ("mean", "sum"):
+    raise ConfigError("Invalid gradient_allreduce_op. Supported operations: "
+                      f"['mean', 'sum']. Got: {op!r}")
+  if op.lower() == "sum":
+    raise ConfigError(
+        "gradient_allreduce_op='sum' (updates from the sum of the gradients "
+        "over ranks) is not supported by zero1_jax, which averages. Remove "
+        "the key and multiply your loss by the data-parallel size instead.")
+  if "gradient_allreduce_op" in raw:
+    raw["gradient_allreduce_op"] = op.lower()
+
+
+def _check_dynamic_fp16(fp16: FP16Config) -> None:
+  """runtime/precision_config.py checks these only for dynamic fp16."""
+  if not (fp16.enabled and fp16.dynamic_loss_scale):
+    return
+  for k in ("loss_scale_window", "min_loss_scale"):
+    if getattr(fp16, k) <= 0:
+      raise ConfigError(f"fp16.{k} must be > 0 with dynamic loss scaling, "
+                        f"got {getattr(fp16, k)}")
+  if fp16.hysteresis < 1:
+    raise ConfigError(
+        f"fp16.hysteresis={fp16.hysteresis} is not supported: DeepSpeed "
+        "accepts it and then never lowers the loss scale. Use hysteresis >= 1.")
 
 
 def _no_duplicates(pairs):

@@ -47,7 +47,12 @@ def loss_scale_policy(cfg: zconfig.DeepSpeedConfig) -> precision.LossScale:
   """DeepSpeed's fp16 section as a :mod:`zero1_jax.core.precision` policy."""
   f = cfg.fp16
   if not f.enabled:
-    return precision.NoLossScale()
+    # DeepSpeed 0.19 ZeRO-1/2 skips a step with a non-finite gradient norm:
+    # bf16 when check_grad_overflow, fp32 when the norm is computed
+    # (runtime/engine.py _configure_zero_optimizer, zero/stage_1_and_2.py).
+    skip = (cfg.bf16.check_grad_overflow if cfg.bf16.enabled
+            else cfg.zero.compute_grad_norm)
+    return precision.NoLossScale(skip_nonfinite=skip)
   if not f.dynamic_loss_scale:
     return precision.StaticLossScale(float(f.loss_scale))
   return precision.DynamicLossScale(
@@ -76,7 +81,7 @@ def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
       reduce="reduce_scatter" if cfg.zero.reduce_scatter else "all_reduce",
       bucket_bytes=int(cfg.zero.reduce_bucket_size) * itemsize,
       gather_bucket_bytes=int(cfg.zero.allgather_bucket_size) * itemsize,
-      max_grad_norm=cfg.gradient_clipping or None,
+      max_grad_norm=cfg.gradient_clipping if cfg.gradient_clipping > 0 else None,
       loss_scale=loss_scale_policy(cfg), reduce_dtype=comm)
 
 
@@ -88,7 +93,8 @@ class Engine:
       config enables one; the fp32 master copy lives in ``opt_state``).
     opt_state: the sharded :class:`zero1_jax.Zero1State`.
     global_steps: optimizer steps taken, skipped ones included (DeepSpeed).
-    skipped_steps: steps skipped for fp16 overflow.
+    skipped_steps: steps skipped for fp16 overflow or a non-finite gradient
+      norm (fp32, bf16 with check_grad_overflow), as DeepSpeed 0.19.
     config, tx, mesh.
   """
 

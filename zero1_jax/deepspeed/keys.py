@@ -28,10 +28,8 @@ NOTES: dict[str, tuple[Any, str]] = {
     "prescale_gradients": (ANY, "pre- or post-division give the same mean"),
     "gradient_predivide_factor": (ANY, "the mean of the gradients does not "
                                   "depend on where the division happens"),
-    "sparse_gradients": (ANY, "JAX gradients are always dense"),
     "zero_force_ds_cpu_optimizer": (ANY, _OFF), "aio": (ANY, _OFF),
     "disable_allgather": (ANY, _XLA),
-    "graph_harvesting": (ANY, "CUDA graphs; XLA compiles the whole step"),
     "compile": (ANY, "torch.compile; XLA compiles the whole step"),
     "vocabulary_size": (ANY, "tensor-core alignment hint only"),
     "dataloader_drop_last": (ANY, "data loading is outside zero1_jax"),
@@ -40,21 +38,27 @@ NOTES: dict[str, tuple[Any, str]] = {
     "allgather_size": (ANY, "legacy; read only with zero_optimization: true"),
     "data_types": (DICT, "gradients accumulate in their own dtype"),
     "activation_checkpointing": (DICT, "use jax.checkpoint in the model"),
-    "amp": (DICT, "Apex AMP is PyTorch-only; use fp16 or bf16"),
     "torch_autocast": (DICT, _TORCH),
     **{k: (DICT, _MON) for k in ("tensorboard", "wandb", "csv_monitor",
                                   "comet", "comms_logger")},
     **{k: (DICT, _NI) for k in (
-        "hybrid_engine", "autotuning", "progressive_layer_drop",
-        "curriculum_learning", "data_efficiency", "compression_training",
-        "eigenvalue", "sparse_attention", "elasticity")},
+        "hybrid_engine", "autotuning", "data_efficiency", "pipeline",
+        "tensor_parallel", "expert_parallel", "weight_quantization",
+        "datastates_ckpt")},
+    "log_level": (ANY, "zero1_jax logs through Python's logging "
+                  "(logging.getLogger('zero1_jax'))"),
+    "disable_python_gc": (ANY, _TORCH),
+    "managed_gradient_accumulation": (True, "the step always accumulates "
+                                      "gradient_accumulation_steps micro-batches"),
+    "use_data_before_expert_parallelism": (False, "no expert parallelism"),
+    "model_info": (ANY, "autotuning only"),
+    "data_parallel_size": (ANY, "the data-parallel size is the mesh's"),
+    "gradient_allreduce_op": ("mean", "gradients are averaged over devices"),
     "fp16.auto_cast": (False, "the model chooses its compute dtype"),
     "fp16.fp16_master_weights_and_grads": (False, "master weights are fp32"),
     "bf16.immediate_grad_update": (ANY, "the update is one XLA program"),
-    **{"bf16." + k: (False, "bf16 keeps fp32 master weights and state and "
-                     "never skips steps") for k in (
-                         "check_grad_overflow", "bf16_master_weights_and_grads",
-                         "bf16_optimizer_states")},
+    **{"bf16." + k: (False, "bf16 keeps fp32 master weights and state")
+       for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")},
     "zero_optimization.overlap_comm": (ANY, _OVERLAP),
     "zero_optimization.contiguous_gradients": (ANY, "XLA owns buffer layout"),
     "zero_optimization.allgather_partitions": (ANY, "parameters are always "
@@ -69,6 +73,7 @@ NOTES: dict[str, tuple[Any, str]] = {
                                                    "get zero gradients in JAX"),
     "zero_optimization.enable_sanity_checks": (ANY, _TORCH),
     "zero_optimization.legacy_stage1": (False, "removed in DeepSpeed 0.5.9"),
+    "zero_optimization.parameter_alignment": (ANY, "XLA owns buffer layout"),
     **{"zero_optimization." + k: (ANY, _S3) for k in (
         "sub_group_size", "memory_efficient_linear", "override_module_apply",
         "pipeline_loading_checkpoint", "log_trace_cache_warnings",
@@ -78,7 +83,13 @@ NOTES: dict[str, tuple[Any, str]] = {
         "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save",
         "stage3_module_granularity_threshold",
-        "stage3_use_all_reduce_for_fetch_params")},
+        "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+        "prefetch_bucket_size", "param_persistence_threshold",
+        "model_persistence_threshold", "max_live_parameters",
+        "max_reuse_distance", "gather_16bit_weights_on_model_save",
+        "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+        "allgather_sequential", "save_muon_momentum_buffer_in_memory",
+        "leaf_module")},
     **{"zero_optimization." + k: (v, _OFF) for k, v in (
         ("offload_optimizer", DICT), ("offload_param", DICT),
         ("cpu_offload", False), ("cpu_offload_param", False),
@@ -88,17 +99,53 @@ NOTES: dict[str, tuple[Any, str]] = {
                     ("zero_quantized_weights", False),
                     ("zero_quantized_nontrainable_weights", False),
                     ("zero_quantized_gradients", False),
-                    ("zeropp_loco_param", None), ("mics_shard_size", -1),
-                    ("mics_hierarchical_params_gather", False),
                     ("zenflow", None))},
 }
 TOP_LEVEL = {"train_batch_size", "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps", "steps_per_print", "gradient_clipping",
-        "fp16", "bf16", "bfloat16", "zero_optimization", "optimizer",
-        "scheduler", "zero_allow_untested_optimizer",
-        "communication_data_type"} | {k for k in NOTES if "." not in k}
-MINIMUM = {"fp16.loss_scale": 0, "fp16.loss_scale_window": 1, "fp16.hysteresis": 1,
-        "fp16.min_loss_scale": 1, "zero_optimization.reduce_bucket_size": 0,
-        "zero_optimization.allgather_bucket_size": 0, "gradient_clipping": 0,
-        "steps_per_print": 1}
+             "gradient_accumulation_steps", "steps_per_print",
+             "gradient_clipping", "fp16", "bf16", "bfloat16",
+             "zero_optimization", "optimizer", "scheduler",
+             "zero_allow_untested_optimizer", "communication_data_type",
+             "sequence_parallel_size"} | {k for k in NOTES if "." not in k}
+# Lower bounds DeepSpeed enforces whatever else the config says. fp16's
+# loss_scale_window / min_loss_scale / hysteresis are checked only when
+# dynamic fp16 is on (config.py, as runtime/precision_config.py does).
+MINIMUM = {"fp16.loss_scale": 0, "zero_optimization.reduce_bucket_size": 1,
+           "zero_optimization.allgather_bucket_size": 0, "steps_per_print": 1}
 COMM_DTYPES = ("fp16", "bf16", "fp32")
+
+_GONE = "DeepSpeed 0.19 removed it and rejects any config that contains it"
+# Keys DeepSpeed 0.19 rejects whenever present, whatever their value
+# (runtime/config.py _reject_removed_config_keys): key -> what to do instead.
+REMOVED = {
+    "amp": "NVIDIA Apex AMP; use 'fp16' or 'bf16' instead",
+    "nebula": "Nebula checkpointing; checkpoints are written with orbax",
+    "compression_training": "the compression library",
+    "quantize_training": "Mixture-of-Quantization",
+    "sparse_gradients": "sparse embedding-gradient compression; JAX "
+                        "gradients are dense",
+    "eigenvalue": "eigenvalue-based Mixture-of-Quantization",
+    "sparse_attention": "DeepSpeed Sparse Attention",
+    "elasticity": "elastic training; give train_batch_size / "
+                  "train_micro_batch_size_per_gpu / gradient_accumulation_steps",
+    "graph_harvesting": "graph harvesting",
+    "curriculum_learning": "top-level curriculum learning (DeepSpeed moved it "
+                           "to data_efficiency.data_sampling)",
+    "progressive_layer_drop": "Progressive Layer Dropping",
+    "zero_optimization.mics_shard_size": "MiCS ZeRO-3 sharding",
+    "zero_optimization.mics_hierarchical_params_gather": "MiCS ZeRO-3 sharding",
+    "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++",
+}
+
+
+def removed_key_error(raw: dict) -> str | None:
+  """The message for the first removed key in ``raw``, or None."""
+  zero = raw.get("zero_optimization")
+  present = [k for k in raw if k in REMOVED] + (
+      [f"zero_optimization.{k}" for k in zero
+       if f"zero_optimization.{k}" in REMOVED]
+      if isinstance(zero, dict) else [])
+  if not present:
+    return None
+  k = present[0]
+  return f"'{k}' ({REMOVED[k]}): {_GONE}. Delete the key."

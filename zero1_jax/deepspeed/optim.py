@@ -28,26 +28,22 @@ logger = logging.getLogger("zero1_jax")
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "RMSprop")
 # Names DeepSpeed matches case-insensitively (runtime/config.py); any other
 # type is looked up as a torch.optim class, case-sensitively.
-_DS_NAMES = {"adagrad", "adam", "adamw", "lamb", "onebitadam", "zerooneadam",
-             "onebitlamb", "muadam", "muadamw", "musgd", "lion", "muon"}
+_DS_NAMES = {"adagrad", "adam", "adamw", "lamb", "muadam", "muadamw",
+             "musgd", "lion", "muon"}
 _ELEMENTWISE = {"adam": "Adam", "adamw": "AdamW", "lion": "Lion",
                 "adagrad": "Adagrad", "SGD": "SGD", "RMSprop": "RMSprop"}
 _NOT_ELEMENTWISE = "ZeRO-1 sharding here needs an elementwise optimizer; "
 _REJECT = {
     "lamb": _NOT_ELEMENTWISE + "Lamb scales each tensor by a trust ratio "
             "||w||/||update|| computed over the whole tensor",
-    "onebitlamb": _NOT_ELEMENTWISE + "1-bit Lamb uses per-tensor trust "
-                  "ratios and compressed communication",
     "muon": _NOT_ELEMENTWISE + "Muon orthogonalises whole weight matrices",
-    "onebitadam": "1bit-Adam is not compatible with ZeRO (DeepSpeed asserts "
-                  "this; its compressed all-reduce is not implemented here)",
-    "zerooneadam": "0/1 Adam is not compatible with ZeRO (DeepSpeed asserts "
-                   "this; its compressed all-reduce is not implemented here)",
     "muadam": "MuP optimizers need per-parameter width multipliers that a "
               "JSON config cannot carry",
 }
 _REJECT["muadamw"] = _REJECT["musgd"] = _REJECT["muadam"]
 _NO_EFFECT = {"set_grad_none": "gradients are values, not buffers, in JAX",
+              "fp32_optimizer_states": "used only with ZeRO-Offload; optimizer "
+              "state is fp32 here",
               "foreach": "kernel selection", "fused": "kernel selection",
               "capturable": "CUDA-graph capture", "differentiable": "autograd"}
 _BETAS = (0.9, 0.999)
@@ -118,6 +114,9 @@ def resolve_optimizer(opt: OptimizerConfig, quiet: bool = True) -> dict:
         spec["decoupled_weight_decay"] = False  # torch.optim.Adam only
     else:
       spec = dict(_FUSED_ADAM)
+    # DeepSpeed pops it for every Adam before choosing the class
+    # (runtime/engine.py get_optimizer_configuration).
+    spec["fp32_optimizer_states"] = None
   else:
     spec = dict(_PARAMS[name])
   for k in p:

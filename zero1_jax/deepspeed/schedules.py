@@ -48,14 +48,17 @@ PARAMS = {
 }
 # DeepSpeed checks warmup_num_steps is an int; stairs are counted with floor().
 _INT_PARAMS = {"warmup_num_steps", "cycle_first_stair_count",
-               "cycle_second_stair_count"}
+               "cycle_second_stair_count", "lr_range_test_step_size"}
 
 
 def resolve_scheduler(sched: SchedulerConfig, quiet: bool = True) -> dict:
   """Validated scheduler params with DeepSpeed constructor defaults."""
   if sched.type not in PARAMS:
-    raise ConfigError(f"unknown or unsupported scheduler.type={sched.type!r}; "
-                      f"supported: {', '.join(SUPPORTED_SCHEDULERS)}")
+    raise ConfigError(
+        f"unknown or unsupported scheduler.type={sched.type!r}; supported: "
+        f"{', '.join(SUPPORTED_SCHEDULERS)}. (DeepSpeed 0.19 would fall back "
+        f"to torch.optim.lr_scheduler.{sched.type}; zero1_jax does not: "
+        "use one of the above or build the optax schedule yourself)")
   spec = dict(PARAMS[sched.type], last_batch_iteration=-1)
   for k in sched.params:
     if k not in spec:
@@ -90,6 +93,20 @@ def resolve_scheduler(sched: SchedulerConfig, quiet: bool = True) -> dict:
         2, out["warmup_num_steps"]):
       logger.warning("total_num_steps %s is less than warmup_num_steps %s",
                      out["total_num_steps"], out["warmup_num_steps"])
+  # runtime/lr_schedules.py OneCycle.__init__ and LRRangeTest.__init__.
+  if sched.type == "OneCycle":
+    if out["cycle_first_step_size"] <= 0:
+      raise ConfigError("cycle_first_step_size must be positive, got "
+                        f"{out['cycle_first_step_size']}")
+    if (out["cycle_second_step_size"] is not None
+        and out["cycle_second_step_size"] < 0):
+      raise ConfigError("cycle_second_step_size must be non-negative, got "
+                        f"{out['cycle_second_step_size']}")
+  if sched.type == "LRRangeTest":
+    size = out["lr_range_test_step_size"]
+    if size <= 0:
+      raise ConfigError("lr_range_test_step_size must be a positive integer, "
+                        f"got {size}")
   if out["last_batch_iteration"] != -1 and not quiet:
     warnings.warn("scheduler.params.last_batch_iteration is recognised but "
                   "not honoured by zero1_jax: the schedule follows the "

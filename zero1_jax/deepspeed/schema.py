@@ -42,9 +42,11 @@ class FP16Config:
 
 @dataclasses.dataclass(frozen=True)
 class BF16Config:
+  """`bf16` (runtime/precision_config.py). check_grad_overflow: skip a step
+  whose gradients hold inf/nan (DeepSpeed 0.19's default)."""
   enabled: bool = False
   immediate_grad_update: bool = False
-  check_grad_overflow: bool = False
+  check_grad_overflow: bool = True
   bf16_master_weights_and_grads: bool = False
   bf16_optimizer_states: bool = False
 
@@ -61,6 +63,9 @@ class ZeroConfig:
   allgather_partitions: bool = True
   round_robin_gradients: bool = False
   elastic_checkpoint: bool = False
+  # fp32: the global gradient norm is computed and a non-finite one skips the
+  # step (runtime/zero/stage_1_and_2.py); false needs gradient_clipping 0.
+  compute_grad_norm: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
