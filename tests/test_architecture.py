@@ -127,3 +127,21 @@ def test_the_library_never_imports_experiments():
       bad += [f"{m} imports {n}" for n in names
               if n.split(".")[0] == "experiments"]
   assert not bad, bad
+
+
+def test_installed_package_from_another_directory(tmp_path):
+  """As a user sees it: outside the repo, `experiments` is not importable and
+  the console script works (the venv `make test` installs into)."""
+  import os
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  r = subprocess.run([sys.executable, "-c", "import experiments"],
+                     cwd=tmp_path, env=env, capture_output=True, text=True)
+  assert r.returncode != 0 and "No module named 'experiments'" in r.stderr
+  script = pathlib.Path(sys.executable).with_name("zero1-train")
+  if not script.exists():
+    pytest.skip(f"no console script next to {sys.executable}")
+  r = subprocess.run([str(script), "--help"], cwd=tmp_path, env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0 and "--deepspeed" in r.stdout, r.stderr
