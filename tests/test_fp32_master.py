@@ -210,3 +210,33 @@ def test_init_param_dtype_takes_the_master_before_the_cast():
   np.testing.assert_array_equal(w, np.asarray(params["l0"]["w"]))  # not rounded
   np.testing.assert_array_equal(np.asarray(p["l0"]["w"]),
                                 np.asarray(params["l0"]["w"].astype(jnp.bfloat16)))
+
+
+def test_overflow_with_fp32_params_keeps_params_and_state():
+  """No stored master: a skipped step must still leave the params (the
+  master) and the moments exactly as they were."""
+  n = 4
+  params = tree((jnp.float32,))
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data",
+                loss_scale=z1.DynamicLossScale(initial_scale_power=8))
+
+  def loss(p, b):
+    y = jnp.sum(jnp.tanh(b["x"] @ p["l0"]["w"]) * p["l0"]["b"][:9])
+    return y * jnp.where(jnp.any(b["boom"] > 0), jnp.inf, 1.0)
+
+  p, s = z1.init(tx, params, mesh(n))
+  step = z1.train_step(loss, tx, mesh(n))
+  x = np.random.default_rng(2).normal(size=(8, D)).astype(np.float32)
+  ok = {"x": x, "boom": np.zeros(8, np.float32)}
+  boom = {"x": x, "boom": np.zeros(8, np.float32)}
+  boom["boom"][2:4] = 1                          # device 1 only
+  p, s, m = step(p, s, ok)
+  assert not bool(m["skipped"])
+  before = jax.tree.map(np.asarray, (p, s.inner))
+  p, s, m = step(p, s, boom)
+  assert bool(m["skipped"])
+  for a, b in zip(jax.tree.leaves((p, s.inner)), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  p2, _, m = step(p, s, ok)
+  assert not bool(m["skipped"])
+  assert not np.array_equal(np.asarray(p2["l0"]["w"]), before[0]["l0"]["w"])
