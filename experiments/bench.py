@@ -83,7 +83,7 @@ from experiments.bench_sections import (  # noqa: E402,F401
 from experiments.bench_setup import (  # noqa: E402,F401
     _BUILT, COLORS, DEFAULT_BUCKET, DTYPES, K, LABELS, METHODS, QUICK, SIZES, Built,
     Model, Plan, batch, build, device_batch, make_mesh, model, model_state_theory,
-    optimizer, state_master_theory, traffic_theory)
+    optimizer, sharded_state_theory, state_master_theory, traffic_theory)
 
 
 def _jsonable(x):

@@ -28,13 +28,14 @@ import zero1_jax as z1
 from experiments import baselines as bl
 from experiments.bench_setup import (DTYPES, K, METHODS, Built, Model, Plan, batch,
                                      build, device_batch, make_mesh, model,
-                                     model_state_theory, optimizer, state_master_theory,
+                                     model_state_theory, optimizer, sharded_state_theory,
+                                     state_master_theory,
                                      traffic_theory)
 
 
 def _state_master_bytes(method: str, built_params, built_state, dtype: str, device) -> int:
   state = z1.inspect.device_bytes(built_state, device)
-  if method.startswith("zero1") or dtype != "fp32":
+  if dtype != "fp32":
     return state
   return state + z1.inspect.device_bytes(built_params, device)   # params = master
 
@@ -58,14 +59,16 @@ def state_section(plan: Plan, log=print) -> list[dict]:
           p, s = bl.gspmd_init(optimizer(), m.params, mesh)
           padding = 0
         per_dev = [_state_master_bytes(method, p, s, dtype, d) for d in mesh.devices.flat]
+        sharded = max(z1.inspect.device_bytes(s, d) for d in mesh.devices.flat)
         params_b = z1.inspect.device_bytes(p, mesh.devices.flat[0])
         theory = state_master_theory(method, m.psi, n, dtype)
         rows.append(dict(
             dtype=dtype, n=n, method=method, psi=m.psi,
             state_master_bytes=max(per_dev), state_master_bytes_min=min(per_dev),
             params_bytes=params_b,
-            model_state_bytes=max(per_dev) + (params_b if method.startswith("zero1")
-                                              or dtype != "fp32" else 0),
+            model_state_bytes=max(per_dev) + (params_b if dtype != "fp32" else 0),
+            sharded_state_bytes=sharded,
+            sharded_state_theory=sharded_state_theory(m.psi, n, dtype),
             theory_bytes=theory, ratio=max(per_dev) / theory,
             padding_elems=padding, twelve_psi_over_n=K * m.psi / n))
         del p, s

@@ -200,27 +200,31 @@ def _build(method: str, m: Model, n: int, b, bucket_bytes: int) -> Built:
 def state_master_theory(method: str, psi: int, n: int, dtype: str) -> float:
   """Bytes of optimizer state + fp32 master weights one device holds.
 
-  With fp32 params DDP and GSPMD use the (replicated) params as the master
-  copy; ZeRO-1 always keeps its own sharded fp32 master.
+  With fp32 params every method uses the (replicated) params as the master
+  copy (ZeRO-1 too: it keeps no copy of params already in fp32); with bf16
+  params the master is a separate fp32 copy, sharded by ZeRO-1 and GSPMD.
   """
-  if method.startswith("zero1"):
-    return K * psi / n
   if method == "ddp":
     return K * psi
   return (4 * psi + 8 * psi / n) if dtype == "fp32" else K * psi / n
 
 
+def sharded_state_theory(psi: int, n: int, dtype: str) -> float:
+  """ZeRO-1's sharded state per device: Adam's moments (8 Psi / N), plus the
+  fp32 master shard for bf16 params (12 Psi / N)."""
+  return (8 if dtype == "fp32" else K) * psi / n
+
+
 def model_state_theory(method: str, psi: int, n: int, dtype: str) -> float:
   """The ZeRO paper's per-device model-state bytes: params + grads + state.
 
-  ``(2 + 2 + K/N) Psi`` for ZeRO-1 in 16-bit, ``(4 + 4 + K/N) Psi`` in fp32.
+  ``(2 + 2 + K/N) Psi`` for ZeRO-1 in 16-bit, ``(4 + 4 + 8/N) Psi`` in fp32
+  (the fp32 params are the master).
   DDP holds ``K Psi`` (fp32: ``8 Psi`` of moments; the params are the master);
   GSPMD holds the moments sharded and, in fp32, the replicated params are its
   master copy.
   """
   w = 4 if dtype == "fp32" else 2
-  if method.startswith("zero1"):
-    return (2 * w + K / n) * psi
   if method == "ddp":
     return (2 * w + (8 if dtype == "fp32" else K)) * psi
   return (2 * w + (8 if dtype == "fp32" else K) / n) * psi

@@ -48,8 +48,12 @@ def test_state_bytes_match_theory(result):
   for r in rows:
     assert r["state_master_bytes"] == r["state_master_bytes_min"]  # same on every device
     if r["method"] == "zero1_rs":
-      # 12 bytes per padded element + 20 bytes of replicated scalars
-      assert r["state_master_bytes"] <= 12 * (r["psi"] + r["padding_elems"]) / r["n"] + 20
+      # sharded: 8 bytes (fp32: mu, nu; the params are the master) or 12
+      # (bf16: + the fp32 master) per padded element + 20 bytes of scalars
+      per = 8 if r["dtype"] == "fp32" else 12
+      assert r["sharded_state_bytes"] <= per * (r["psi"] + r["padding_elems"]) / r["n"] + 20
+      assert r["sharded_state_bytes"] >= per * r["psi"] / r["n"]
+      assert r["sharded_state_theory"] == per * r["psi"] / r["n"]
       assert r["ratio"] == pytest.approx(1.0, abs=2e-3)
     else:
       # adam's count is the only extra (4 bytes)
@@ -59,6 +63,10 @@ def test_state_bytes_match_theory(result):
   assert by["fp32", "ddp"]["state_master_bytes"] == 12 * psi + 4      # + adam's count
   assert by["fp32", "gspmd"]["state_master_bytes"] == 4 * psi + 4 * psi + 4
   assert by["bf16", "gspmd"]["state_master_bytes"] == 6 * psi + 4
+  # fp32: ZeRO-1 holds what GSPMD holds (params as master + moments / N),
+  # up to its padding and loss-scale scalars.
+  z = by["fp32", "zero1_rs"]
+  assert z["state_master_bytes"] == (4 * psi + z["sharded_state_bytes"])
 
 
 def test_collectives_follow_theory(result):
@@ -133,6 +141,11 @@ def test_theory_formulas():
   psi = 1000
   assert bench.model_state_theory("zero1_rs", psi, 8, "bf16") == (2 + 2 + 12 / 8) * psi
   assert bench.model_state_theory("ddp", psi, 8, "bf16") == 16 * psi
+  assert bench.model_state_theory("zero1_rs", psi, 8, "fp32") == (4 + 4 + 8 / 8) * psi
+  assert bench.state_master_theory("zero1_rs", psi, 4, "fp32") == 4 * psi + 2 * psi
+  assert bench.state_master_theory("zero1_rs", psi, 4, "bf16") == 3 * psi
+  assert bench.sharded_state_theory(psi, 4, "fp32") == 2 * psi
+  assert bench.sharded_state_theory(psi, 4, "bf16") == 3 * psi
   assert bench.traffic_theory("zero1_rs", psi, 4)["total"] == bench.traffic_theory(
       "ddp", psi, 4)["total"] == 8 * psi
   assert bench.traffic_theory("zero1_ar", psi, 2)["total"] == 6 * psi

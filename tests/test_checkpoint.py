@@ -49,10 +49,14 @@ def host(tree):
   return jax.tree.map(np.array, tree)
 
 
-def unpadded(master, params):
-  """The master leaves cut to their parameter's shape (numpy)."""
-  return jax.tree.map(lambda m, p: np.asarray(m)[tuple(map(slice, p.shape))],
-                      float_part(master), float_part(params))
+def masters(params, state):
+  """The master weights (numpy): each stored master leaf cut to its
+  parameter's shape, and the parameter itself where it is its own master
+  (params already in the master dtype store none)."""
+  return jax.tree.map(
+      lambda p, m: np.asarray(p) if m is None
+      else np.asarray(m)[tuple(map(slice, p.shape))],
+      float_part(params), float_part(state.master))
 
 
 def checkpointed_run(d, tx, params, n, batches, extra=None, config=None):
@@ -107,20 +111,21 @@ def test_saved_state_stays_sharded(saved):
   with ocp.PyTreeCheckpointer() as c:
     meta = c.metadata((saved.dir / str(K) / "state").absolute()).item_metadata.tree
   specs = {name: tuple(m.sharding.partition_spec) for name, m in meta.items()}
-  for name in ("master.dense.kernel", "inner.0.mu.dense.kernel",
-               "inner.0.nu.out.kernel", "master.out.bias"):
+  for name in ("inner.0.mu.dense.kernel", "inner.0.nu.out.kernel",
+               "inner.0.mu.out.bias"):
     assert "data" in specs[name], (name, specs[name])
   assert specs["loss_scale.scale"] == ()
   assert "master.empty" not in specs and "master.step_id" not in specs
+  # fp32 params are their own master: no copy is saved (a bf16 master is
+  # checked in test_fp32_master.py).
+  assert not [name for name in specs if name.startswith("master.")]
 
 
 @pytest.mark.parametrize("n", [4, 3, 2, 1])
 def test_restore_at_another_n_then_continue(saved, n):
   p, s, _ = zc.Checkpointer(saved.dir).restore(K, TX, saved.params, mesh(n))
   assert_state_layout(s, saved.params, n)
-  _, s_saved = saved.at_save
-  assert_equal(unpadded(s.master, saved.params),
-               unpadded(s_saved.master, saved.params), f"N=8->{n} master ")
+  assert_equal(masters(p, s), masters(*saved.at_save), f"N=8->{n} master ")
   specs = z1.plan(saved.params, n).leaves
   for tree in (s.master, s.inner[0].mu, s.inner[0].nu):   # padding is zero
     for got, spec in zip(jax.tree.leaves(tree, is_leaf=lambda x: x is None),
@@ -176,7 +181,7 @@ def test_fp16_loss_scale_state_survives(tmp_path):
   # Export gives the fp32 masters, not the fp16 params.
   zc.export_params(tmp_path, tmp_path / "fp32", K)
   got = zc.load_params(tmp_path / "fp32")
-  want = unpadded(at_save[1].master, params)
+  want = masters(*at_save)
   assert_equal(float_part(got), want, "fp16 export ")
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(float_part(got)))
   assert_equal(jax.tree.map(lambda x: x.astype(np.float16), float_part(got)),
@@ -188,7 +193,7 @@ def test_export_loads_into_plain_optax(saved, tmp_path):
   assert zc.export_params(saved.dir, out) == K
   got = zc.load_params(out)
   p_saved, s_saved = saved.at_save
-  assert_equal(float_part(got), unpadded(s_saved.master, saved.params), "export ")
+  assert_equal(float_part(got), masters(p_saved, s_saved), "export ")
   np.testing.assert_array_equal(got["step_id"], saved.params["step_id"])
   assert got["empty"].shape == (0, 3) and got["empty"].dtype == np.float32
   # Plain orbax reads it too (zero-size leaves are listed in zero1_export.json).
@@ -217,7 +222,7 @@ def test_export_cli(saved, tmp_path, capsys):
                           "--output_dir", str(out)]) == 0
   assert f"step {K}" in capsys.readouterr().out
   assert_equal(float_part(zc.load_params(out)),
-               unpadded(saved.at_save[1].master, saved.params), "cli ")
+               masters(*saved.at_save), "cli ")
   rc = export_cli.main(["--checkpoint_dir", str(saved.dir), "--output_dir",
                         str(tmp_path / "x"), "--step", "99"])
   err = capsys.readouterr().err
@@ -341,8 +346,7 @@ def test_damaged_steps_are_named_and_fallback_is_explicit(saved, tmp_path,
   assert "skipping step 11" in log and "11/state/d/" in log
   assert "skipping step 10" in log and "10/state/_METADATA" in log
   assert "restored step 3 instead (skipped [14, 12, 11, 10])" in log
-  assert_equal(unpadded(s.master, saved.params),
-               unpadded(saved.at_save[1].master, saved.params), "fallback ")
+  assert_equal(masters(p, s), masters(*saved.at_save), "fallback ")
   # From an explicit step, too; and a damaged manifest is named.
   shutil.copytree(src, d / "15")
   (d / "15/zero1_files.json").unlink()

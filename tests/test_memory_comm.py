@@ -1,14 +1,15 @@
 """What a device holds and what a step sends, measured, not assumed.
 
 * State bytes from ``addressable_shards`` equal the layout's formula:
-  12 bytes (fp32 master, mu, nu) per element of this device's padded shards
-  plus a few replicated scalars; that is 12*Psi/N plus padding.
+  8 bytes (mu, nu; fp32 params are their own master) per element of this
+  device's padded shards plus a few replicated scalars; that is 8*Psi/N plus
+  padding (12*Psi/N for bf16 params: tests/test_fp32_master.py).
 * Optimized HLO of the reduce-scatter path: reduce-scatter and all-gather
   each move the padded Psi once (2*Psi*dtype together, equal to DDP's ring
   all-reduce), no large all-reduce, and the collective count obeys the bucket
   rule.
 * Compiled per-device memory of the whole (donating) step stays within 5% of
-  params + grads + 12*Psi/N + activations: no full-size fp32 temporaries.
+  params + grads + 8*Psi/N + activations: no full-size fp32 temporaries.
 """
 
 import math
@@ -55,14 +56,15 @@ def compiled(request):
               layout=z1.plan(mlp_params(), n))
 
 
-def test_state_bytes_per_device_are_12_psi_over_n_plus_padding(compiled):
+def test_state_bytes_per_device_are_8_psi_over_n_plus_padding(compiled):
   n, s, layout = compiled["n"], compiled["s"], compiled["layout"]
   padded = sum(l.shard_size for l in layout.leaves)
   scalars = 4 + 16          # adam count (i32) + loss-scale state (4 x 4 bytes)
   per_device = {d: z1.inspect.device_bytes(s, d) for d in mesh(n).devices.flat}
-  assert set(per_device.values()) == {12 * padded + scalars}
-  # Padding is small: within 0.1% + one row per leaf of 12 Psi / N.
-  assert 12 * padded <= 1.001 * 12 * PSI / n + 12 * layout.num_padding
+  assert set(per_device.values()) == {8 * padded + scalars}
+  assert layout.state_bytes_per_device() == 8 * padded
+  # Padding is small: within 0.1% + one row per leaf of 8 Psi / N.
+  assert 8 * padded <= 1.001 * 8 * PSI / n + 8 * layout.num_padding
   assert layout.num_padding < n * len(layout.leaves) * D
 
 

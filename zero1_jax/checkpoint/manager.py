@@ -271,11 +271,18 @@ class Checkpointer:
     extra = self._read_json(step, "extra")
     p_t, s_t = reshard.check(meta, tx, params_template, mesh, where)
 
-    def args(t: reshard.Target, strict: bool):
-      return ocp.args.PyTreeRestore(restore_args={
+    def args(t: reshard.Target, strict: bool, partial: bool = False):
+      restore_args = {
           name: ocp.ArrayRestoreArgs(sharding=sh, global_shape=x.shape,
                                      dtype=x.dtype, strict=strict)
-          for name, x, sh in zip(t.names, t.shapes, t.shardings) if x.size})
+          for name, x, sh in zip(t.names, t.shapes, t.shardings) if x.size}
+      if not partial:
+        return ocp.args.PyTreeRestore(restore_args=restore_args)
+      # Skips entries the model has no use for: the fp32 masters of fp32
+      # params in checkpoints of earlier versions (reshard.legacy_masters).
+      return ocp.args.PyTreeRestore(item={n: 0 for n in restore_args},
+                                    restore_args=restore_args,
+                                    partial_restore=True)
 
     def leaves(t: reshard.Target, got: dict):
       return t.treedef.unflatten([
@@ -284,7 +291,8 @@ class Checkpointer:
 
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(
-          params=args(p_t, True), state=args(s_t, False)))
+          params=args(p_t, True),
+          state=args(s_t, False, len(s_t.names) < len(meta["state"]))))
     except Exception as e:  # orbax / tensorstore: missing or damaged files
       reason = reshard.read_error(e, str(self.directory))
       _quiet_failed_reads()
@@ -366,7 +374,7 @@ def export_params(ckpt_dir, out_dir, step: int | None = None, *,
     np_args = lambda names: ocp.args.PyTreeRestore(
         item={n: 0 for n in names}, partial_restore=True, restore_args={
             n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names})
-    items = {"state": np_args(s_names)}
+    items = {"state": np_args(s_names)} if s_names else {}
     if p_names:
       items["params"] = np_args(p_names)
     try:
@@ -379,7 +387,8 @@ def export_params(ckpt_dir, out_dir, step: int | None = None, *,
           f"{reason}") from e
   finally:
     ckpt.close()
-  items = reshard.export_items(meta, got.get("params") or {}, got["state"])
+  items = reshard.export_items(meta, got.get("params") or {},
+                               got.get("state") or {})
   # orbax cannot store zero-size arrays: they are listed in a JSON file.
   empty = [{"keys": k, "shape": list(x.shape), "dtype": x.dtype.name}
            for k, x in items if not x.size]

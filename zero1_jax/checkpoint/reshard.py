@@ -28,7 +28,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from zero1_jax.core import layout as lay
 from zero1_jax.core import step as zstep
-from zero1_jax.core.transform import Zero1State
+from zero1_jax.core.transform import Zero1State, master_tree
 
 FORMAT = "zero1_jax.checkpoint/1"
 
@@ -202,17 +202,21 @@ def check(meta: dict, tx, params_template, mesh, where: str
   mdt = tx.config.master_dtype
 
   def abstract(shape_of):
-    master = layout.inner_tree([jax.ShapeDtypeStruct(shape_of(s), mdt)
-                                  for s in layout.leaves])
+    shards = [jax.ShapeDtypeStruct(shape_of(s), mdt) for s in layout.leaves]
     ls = jax.eval_shape(tx.loss_scaler(params_template).init)
-    return Zero1State(master, jax.eval_shape(tx.inner.init, master), ls)
+    return Zero1State(master_tree(layout, mdt, shards),
+                      jax.eval_shape(tx.inner.init, layout.inner_tree(shards)),
+                      ls)
 
   padded = abstract(lambda s: s.padded_shape)
   canon = jax.tree.leaves(abstract(lambda s: s.shape))
   s_ent = entries(padded)
   shardings = jax.tree.leaves(zstep.state_shardings(tx, params_template, mesh))
   assert len(shardings) == len(s_ent) == len(canon)
-  saved = meta["state"]
+  # Written before params in the master dtype stopped carrying a master copy:
+  # that copy equals the params (restored above), so it is not read.
+  saved = [r for r in meta["state"] if r["path"] not in legacy_masters(
+      meta, mdt)]
   want = [(p, x) for p, _, x in s_ent]
   if [r["path"] for r in saved] != [p for p, _ in want]:
     raise fail(_first_difference("optimizer state", saved, want) +
@@ -227,6 +231,20 @@ def check(meta: dict, tx, params_template, mesh, where: str
   s_target = Target(jax.tree.structure(padded), [r["name"] for r in saved],
                     [x for _, x in want], shardings)
   return p_target, s_target
+
+
+def legacy_masters(meta: dict, master_dtype) -> set[str]:
+  """State paths of the master copies that checkpoints of earlier zero1_jax
+  (commit 0129125 and before) hold for parameters already in the master
+  dtype; such parameters are their own master now, so these are not read."""
+  mdt = np.dtype(master_dtype).name
+  by_path = {r["path"]: r for r in meta["state"]}
+  out = set()
+  for rec in meta["params"]:
+    m = by_path.get(".master" + rec["path"])
+    if m is not None and rec["dtype"] == mdt and m["dtype"] == mdt:
+      out.add(m["path"])
+  return out
 
 
 def export_items(meta: dict, params: dict, state: dict) -> list[tuple[list, Any]]:

@@ -47,16 +47,18 @@ def from_rank_major(m: jax.Array, spec: LeafSpec, n: int) -> jax.Array:
 
 
 def local_shard(x: jax.Array, spec: LeafSpec, axis_name: str) -> jax.Array:
-  """This device's shard of a full (replicated) leaf, zero-padded."""
+  """This device's shard of a full (replicated) leaf, zero-padded.
+
+  Reads only the shard's rows: padding the whole leaf first would make XLA
+  materialise a padded copy of it (the step slices fp32 params this way)."""
   d = spec.dim
-  extra = spec.padded_shape[d] - spec.shape[d]
-  if extra:
-    pads = [(0, 0)] * x.ndim
-    pads[d] = (0, extra)
-    x = jnp.pad(x, pads)
   rows = spec.shard_shape[d]
   start = jax.lax.axis_index(axis_name) * rows
-  return jax.lax.dynamic_slice_in_dim(x, start, rows, axis=d)
+  if spec.padded_shape[d] == spec.shape[d]:
+    return jax.lax.dynamic_slice_in_dim(x, start, rows, axis=d)
+  # Rows past the end of the leaf (the last devices' padding) read as zero.
+  idx = start + jnp.arange(rows)
+  return jnp.take(x, idx, axis=d, mode="fill", fill_value=0)
 
 
 def _split_shards(pieces: dict[int, list[jax.Array]], layout: Layout

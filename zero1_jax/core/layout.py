@@ -99,11 +99,14 @@ class Layout(NamedTuple):
     return self.treedef.unflatten(
         [None if s.kind == STATIC else v for s, v in zip(self.leaves, values)])
 
-  def state_bytes_per_device(self, master_itemsize: int = 4,
-                             copies: int = 3) -> int:
-    """Bytes of ``copies`` state trees (master, mu, nu) held by one device."""
-    n = sum(l.shard_size for l in self.leaves if l.kind != STATIC)
-    return n * master_itemsize * copies
+  def state_bytes_per_device(self, moments: int = 2,
+                             master_dtype: Any = np.float32) -> int:
+    """Bytes of sharded state one device holds: ``moments`` trees (Adam: mu,
+    nu) in ``master_dtype``, plus a master copy of each leaf that is not
+    already in ``master_dtype`` (a leaf in it is its own master)."""
+    m = np.dtype(master_dtype)
+    return sum(l.shard_size * m.itemsize * (moments + (l.dtype != m))
+               for l in self.leaves if l.kind != STATIC)
 
   @property
   def num_padding(self) -> int:

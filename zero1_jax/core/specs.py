@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero1_jax.core import layout as lay
 from zero1_jax.core import precision
-from zero1_jax.core.transform import Zero1State, Zero1Transformation
+from zero1_jax.core.transform import Zero1State, Zero1Transformation, master_tree
 
 _REFUSAL = (
     "zero1: the inner optimizer is not elementwise ({why}); ZeRO-1 runs it on "
@@ -83,7 +83,7 @@ def state_specs(tx: Zero1Transformation, params: Any, num_shards: int) -> Zero1S
               f"is not shaped like any parameter shard"))
     inner_specs.append(_spec(hit[1].dim, len(x.shape), axis))
   inner = a_def.unflatten(inner_specs)
-  master = layout.inner_tree([
+  master = master_tree(layout, mdt, [
       _spec(s.dim, len(s.shape), axis) if s.kind == lay.SHARD else P()
       for s in layout.leaves])
   ls = precision.LossScaleState(P(), P(), P(), P())

@@ -58,11 +58,16 @@ def state_shardings(tx: Zero1Transformation, params: Any,
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh
-         ) -> tuple[Any, Zero1State]:
+def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
+         param_dtype: Any = None) -> tuple[Any, Zero1State]:
   """Replicates ``params`` over ``mesh`` and builds the sharded state.
 
   No device ever holds more than its 1/N of the master copy or moments.
+
+  Args:
+    param_dtype: cast floating params to this dtype (e.g. bf16 training from
+      fp32 weights) after taking the master shards from the params as given,
+      so the master loses nothing to the cast. None: train them as given.
 
   Returns:
     ``(params, opt_state)``: params replicated (``P()``), opt_state sharded
@@ -73,14 +78,26 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh
       elementwise.
   """
   n = _axis_size(tx, mesh)
-  specs = zspecs.state_specs(tx, params, n)
+
+  def cast(t):
+    if param_dtype is None:
+      return t
+    return jax.tree.map(lambda x: x.astype(param_dtype)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+
+  train = jax.eval_shape(cast, params)
+  specs = zspecs.state_specs(tx, train, n)
   if tx.config.check_elementwise:
-    zspecs.check_elementwise(tx, params)
+    zspecs.check_elementwise(tx, train)
+  rep = NamedSharding(mesh, P())
   # A fresh copy: the step donates params, and the caller keeps theirs.
-  params = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
-                   out_shardings=NamedSharding(mesh, P()))(params)
-  make = jax.jit(_shard_map(tx.init, mesh, (P(),), specs))
-  return params, make(params)
+  values = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=rep)(params)
+  make = jax.jit(_shard_map(lambda t: tx.init_from(train, t), mesh, (P(),),
+                            specs))
+  opt_state = make(values)
+  if param_dtype is None:
+    return values, opt_state
+  return jax.jit(cast, out_shardings=rep, donate_argnums=0)(values), opt_state
 
 
 def batch_size(batch, accum: int, n: int) -> int:

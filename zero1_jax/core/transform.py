@@ -1,9 +1,15 @@
 """``zero1()``: ZeRO Stage 1 as an optax ``GradientTransformation``.
 
-The wrapped (*inner*) optimizer runs on this device's shard of an fp32 master
-copy of the parameters; its moments therefore live on the same shards, so a
-device holds 1/N of the master weights and of every moment. Weights and
-gradients stay whole on every device.
+The wrapped (*inner*) optimizer runs on this device's shard of the master
+weights; its moments therefore live on the same shards, so a device holds 1/N
+of every moment. Weights and gradients stay whole on every device.
+
+Master weights: a parameter already in the master dtype (fp32 params, fp32
+master) *is* its own master: every device holds it whole and bitwise equal to
+the last update, so its master shard is sliced from the parameter at each
+step and nothing is stored (``Zero1State.master`` is None there; Adam: 8
+bytes per parameter / N). Only parameters in another dtype (bf16, fp16) keep
+a sharded master copy in the master dtype (12 bytes / N with Adam).
 
 One ``update`` (inside ``shard_map`` over ``axis_name``):
   1. reduce the local gradients: bucketed ``psum_scatter`` (or ``psum`` and a
@@ -11,8 +17,9 @@ One ``update`` (inside ``shard_map`` over ``axis_name``):
      master dtype;
   2. global grad norm from the shards (one scalar ``psum``): clipping and
      overflow detection both use it;
-  3. the inner optimizer updates the master shard; an overflowing step keeps
-     the old master and inner state on every device;
+  3. the inner optimizer updates the master shard (the stored one, or the
+     parameter's own shard); an overflowing step keeps the old master and
+     inner state on every device;
   4. the new master shard is cast to the parameter dtype and all-gathered.
 """
 
@@ -38,8 +45,9 @@ class Zero1State(NamedTuple):
   data axis there; inside shard_map it is this device's ``shard_shape`` piece.
   """
 
-  master: Any                            # param-shaped shards, master dtype; None at static leaves
-  inner: optax.OptState                  # the wrapped optimizer's state over ``master``
+  master: Any                            # param-shaped shards, master dtype; None at static
+                                         # leaves and where the param is in the master dtype
+  inner: optax.OptState                  # the wrapped optimizer's state over the master shards
   loss_scale: precision.LossScaleState   # replicated scalars
 
 
@@ -80,7 +88,10 @@ class Zero1Transformation(optax.GradientTransformation):
   """An optax GradientTransformation with ZeRO-1 extras.
 
   Attributes (set by :func:`zero1`): ``config`` (:class:`Zero1Config`),
-  ``inner`` (the wrapped transformation), ``apply(grads, state, params)``
+  ``inner`` (the wrapped transformation), ``init_from(params, values)``
+  (the state for training ``params``, whose dtypes decide which leaves keep a
+  master, with the master shards taken from ``values``: e.g. fp32 weights
+  before their cast to bf16), ``apply(grads, state, params)``
   returning ``(new_params, new_state, StepInfo)`` without materialising an
   update tree (what :func:`zero1_jax.train_step` uses), and
   ``loss_scaler(params)`` returning the loss-scale policy for a param tree.
@@ -107,6 +118,47 @@ def _axis_size(axis_name: str) -> int:
 
 def _leaves_with_none(tree) -> list:
   return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
+
+
+def stores_master(spec: lay.LeafSpec, master_dtype: Any) -> bool:
+  """Whether a leaf keeps a separate master shard in :class:`Zero1State`:
+  floating (not static) and not already in ``master_dtype``. A parameter in
+  the master dtype is replicated and bitwise equal to its last update on
+  every device, so its own shard is the master."""
+  return (spec.kind != lay.STATIC
+          and jnp.dtype(spec.dtype) != jnp.dtype(master_dtype))
+
+
+def master_tree(layout: lay.Layout, master_dtype: Any, values) -> Any:
+  """``Zero1State.master`` from one value per leaf: None wherever
+  :func:`stores_master` is false."""
+  return layout.treedef.unflatten(
+      [v if stores_master(s, master_dtype) else None
+       for s, v in zip(layout.leaves, values)])
+
+
+def _check_master(state, layout: lay.Layout, master_dtype) -> list:
+  """``state.master``'s leaves (None where not stored), or a ValueError that
+  says which parameter's dtype differs from the one the state was built for."""
+  try:
+    leaves = layout.treedef.flatten_up_to(state.master)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"zero1: opt_state.master does not match the parameter "
+                     f"tree ({e}).") from None
+  for (path, _), m, s in zip(
+      jax.tree_util.tree_flatten_with_path(
+          layout.treedef.unflatten([0] * len(layout.leaves)))[0],
+      leaves, layout.leaves):
+    if (m is None) == stores_master(s, master_dtype):
+      what = ("has a master copy" if m is not None else "has no master copy")
+      raise ValueError(
+          f"zero1: opt_state.master{jax.tree_util.keystr(path)} {what}, but "
+          f"the parameter is {jnp.dtype(s.dtype).name} (master dtype "
+          f"{jnp.dtype(master_dtype).name}): the state was built for params of "
+          f"another dtype. Build it from the params you train, e.g. "
+          f"z1.init(tx, params, mesh, param_dtype=...) to cast them after "
+          f"taking the master.")
+  return leaves
 
 
 def check_tree(what: str, tree, layout: lay.Layout) -> list:
@@ -139,7 +191,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           loss_scale: precision.LossScale | None = None,
           reduce_dtype: Any = None, check_elementwise: bool = True
           ) -> Zero1Transformation:
-  """Shards ``inner``'s state and an fp32 master copy over ``axis_name``.
+  """Shards ``inner``'s state and the master weights over ``axis_name``.
 
   Args:
     inner: an *elementwise* optax transformation (adam, adamw, lion, sgd,
@@ -152,8 +204,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       ``reduce_scatter: false``).
     bucket_bytes: most bytes one reduce collective moves (all N pieces).
     gather_bucket_bytes: the same for the all-gather (default: bucket_bytes).
-    master_dtype: dtype of the sharded master weights and of the gradient
-      arithmetic (float32).
+    master_dtype: dtype of the master weights and of the gradient arithmetic
+      (float32). Parameters in another dtype keep a sharded master copy in
+      it; parameters already in it are their own master (no copy).
     max_grad_norm: clip by the exact global norm (optax semantics), or None.
     loss_scale: a :mod:`zero1_jax.core.precision` policy. None: dynamic
       (DeepSpeed defaults) when any parameter is float16, otherwise none.
@@ -176,18 +229,20 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                     check_elementwise)
   axis = axis_name
 
-  def init_fn(params) -> Zero1State:
+  def init_from(params, values) -> Zero1State:
     layout = lay.plan(params, _axis_size(axis))
-    leaves = jax.tree.leaves(params)
-    master = []
-    for x, spec in zip(leaves, layout.leaves):
+    shards = []
+    for x, spec in zip(check_tree("values", values, layout), layout.leaves):
       if spec.kind == lay.SHARD:
         x = col.local_shard(x, spec, axis)
-      master.append(None if spec.kind == lay.STATIC
+      shards.append(None if spec.kind == lay.STATIC
                     else jnp.asarray(x).astype(cfg.master_dtype))
-    master = layout.inner_tree(master)
-    return Zero1State(master, inner.init(master),
+    return Zero1State(master_tree(layout, cfg.master_dtype, shards),
+                      inner.init(layout.inner_tree(shards)),
                       _loss_scaler(cfg, params).init())
+
+  def init_fn(params) -> Zero1State:
+    return init_from(params, params)
 
   def apply_fn(grads, state: Zero1State, params):
     layout = lay.plan(params, _axis_size(axis))
@@ -224,20 +279,30 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     skipped = (~jnp.isfinite(g_norm) if scaler.skips_on_overflow
                else jnp.bool_(False))
 
-    # 3. Inner update on the master shards.
+    # 3. Inner update on the master shards: the stored ones, and for params
+    # already in the master dtype their own shard (bitwise the master).
+    stored = _check_master(state, layout, cfg.master_dtype)
+    view = []
+    for m, p, spec in zip(stored, p_leaves, layout.leaves):
+      if m is None and spec.kind == lay.SHARD:
+        m = col.local_shard(p, spec, axis)
+      elif m is None and spec.kind == lay.REPLICATE:
+        m = p
+      view.append(m)
+    view = layout.inner_tree(view)
     g_tree = layout.inner_tree([g.get(i) for i in range(len(layout.leaves))])
-    updates, new_inner = inner.update(g_tree, state.inner, state.master)
-    new_master = optax.apply_updates(state.master, updates)
+    updates, new_inner = inner.update(g_tree, state.inner, view)
+    new_view = optax.apply_updates(view, updates)
     if scaler.skips_on_overflow:
       keep = lambda old, new: jax.tree.map(
           lambda a, b: jnp.where(skipped, a, b), old, new)
-      new_master = keep(state.master, new_master)
+      new_view = keep(view, new_view)
       new_inner = keep(state.inner, new_inner)
-    new_state = Zero1State(new_master, new_inner,
-                           scaler.update(state.loss_scale, skipped))
+    m_leaves = _leaves_with_none(new_view)
+    new_state = Zero1State(master_tree(layout, cfg.master_dtype, m_leaves),
+                           new_inner, scaler.update(state.loss_scale, skipped))
 
     # 4. Gather the new weights in the parameter dtype.
-    m_leaves = _leaves_with_none(new_master)
     shards = {i: m_leaves[i].astype(p_leaves[i].dtype)
               for i in layout.indices(lay.SHARD)}
     full = col.all_gather(shards, layout, g_buckets, axis)
@@ -271,6 +336,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
   tx.config = cfg
   tx.inner = inner
   tx.apply = apply_fn
+  tx.init_from = init_from
   tx.loss_scaler = lambda params: _loss_scaler(cfg, params)
   return tx
 

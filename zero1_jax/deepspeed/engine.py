@@ -105,14 +105,8 @@ class Engine:
     self.tx = build_tx(config, axis_name)
     # The fp32 master copy is taken from the params as given, before the cast
     # to the compute dtype, so nothing is lost.
-    params, self.opt_state = zstep.init(self.tx, params, mesh)
-    low = compute_dtype(config)
-    if low is not None:
-      params = jax.jit(
-          lambda t: jax.tree.map(
-              lambda x: x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating)
-              else x, t), donate_argnums=0)(params)
-    self.params = params
+    self.params, self.opt_state = zstep.init(
+        self.tx, params, mesh, param_dtype=compute_dtype(config))
     self.global_steps = 0
     self.skipped_steps = 0
     self._ckpts: dict = {}
