@@ -63,14 +63,15 @@ def batch(size: int, seed: int = 1, dtype=jnp.float32):
           "y": np.asarray(r.normal(size=(size, OUT)), np.float32)}
 
 
-def optax_run(tx, params, batches, steps=None):
+def optax_run(tx, params, batches, steps=None, loss=None):
   """Unsharded optax on the global batch; float leaves only."""
   p = float_part(params)
   s = tx.init(p)
+  loss = loss or loss_fn
 
   @jax.jit
   def one(p, s, b):
-    g = jax.grad(loss_fn)(p, b)
+    g = jax.grad(loss)(p, b)
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
@@ -118,6 +119,15 @@ def ddp_run(tx, params, batches, n):
     b = jax.device_put(b, NamedSharding(msh, P("data")))
     p, s = step(p, s, b)
   return p
+
+
+def deepspeed_clip(c: float) -> optax.GradientTransformation:
+  """DeepSpeed ZeRO-1/2's clip (runtime/zero/stage_1_and_2.py), unsharded."""
+  def update(g, state, params=None):
+    del params
+    coef = jnp.maximum(1.0, (optax.global_norm(g) + 1e-6) / c)
+    return jax.tree.map(lambda x: x / coef, g), state
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
 
 def assert_close(got, want, rtol, what=""):

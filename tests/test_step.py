@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero1_jax as z1
-from helpers import (assert_close, batch, float_part, loss_fn, mesh,
-                     odd_params, optax_run)
+from helpers import (assert_close, batch, deepspeed_clip, float_part, loss_fn,
+                     mesh, odd_params, optax_run)
 
 
 def test_four_micro_batches_equal_one_big_batch():
@@ -64,6 +64,33 @@ def test_clipping_equals_unsharded_clip_by_global_norm():
     norms.append(float(m["grad_norm"]))
   assert max(norms) > 0.5          # clipping did trigger
   assert_close(float_part(p), ref, 1e-6, "clipped ")
+
+
+def test_deepspeed_clip_rule_equals_its_unsharded_formula():
+  """SGD makes the update proportional to the clip coefficient (Adam would
+  hide it). The two rules differ by the 1e-6 DeepSpeed adds to the norm, so
+  the loss is scaled to give norms of ~1e-6 with a clip of 1e-7: there the
+  coefficients differ by ~2x and a swapped rule cannot pass."""
+  params = odd_params()
+  bs = [batch(16, seed=s) for s in range(6)]
+  tiny = lambda p, b: 1e-6 * loss_fn(p, b)
+  c, lr = 1e-7, 1e5
+  run = lambda clip: optax_run(optax.chain(clip, optax.sgd(lr)), params, bs,
+                               loss=tiny)
+  ref, other = run(deepspeed_clip(c)), run(optax.clip_by_global_norm(c))
+  tx = z1.zero1(optax.sgd(lr), axis_name="data", max_grad_norm=c,
+                clip_rule="deepspeed")
+  p, s = z1.init(tx, params, mesh(4))
+  step = z1.train_step(tiny, tx, mesh(4))
+  for b in bs:
+    p, s, m = step(p, s, b)
+    assert float(m["grad_norm"]) > c          # clipping active every step
+  assert_close(float_part(p), ref, 1e-6, "deepspeed clip ")
+  diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+             for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(other)))
+  assert diff > 1e-3   # the optax rule is far off here
+  with pytest.raises(ValueError, match="clip_rule"):
+    z1.zero1(optax.sgd(1.0), axis_name="data", clip_rule="torch")
 
 
 def test_grad_norm_metric_is_the_global_norm():

@@ -68,6 +68,7 @@ class Zero1Config:
   loss_scale: precision.LossScale | None = None
   reduce_dtype: Any = None
   check_elementwise: bool = True
+  clip_rule: str = "optax"
 
   def __post_init__(self):
     if self.reduce not in ("reduce_scatter", "all_reduce"):
@@ -80,6 +81,9 @@ class Zero1Config:
     if self.max_grad_norm is not None and not self.max_grad_norm > 0:
       raise ValueError("max_grad_norm must be > 0 (or None for no clipping), "
                        f"got {self.max_grad_norm}")
+    if self.clip_rule not in ("optax", "deepspeed"):
+      raise ValueError(f"clip_rule must be 'optax' or 'deepspeed', got "
+                       f"{self.clip_rule!r}")
     if not jnp.issubdtype(self.master_dtype, jnp.floating):
       raise ValueError(f"master_dtype must be floating, got {self.master_dtype}")
 
@@ -189,8 +193,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           gather_bucket_bytes: int | None = None,
           master_dtype: Any = jnp.float32, max_grad_norm: float | None = None,
           loss_scale: precision.LossScale | None = None,
-          reduce_dtype: Any = None, check_elementwise: bool = True
-          ) -> Zero1Transformation:
+          reduce_dtype: Any = None, check_elementwise: bool = True,
+          clip_rule: str = "optax") -> Zero1Transformation:
   """Shards ``inner``'s state and the master weights over ``axis_name``.
 
   Args:
@@ -213,6 +217,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     reduce_dtype: dtype gradients travel in (default: their own dtype).
     check_elementwise: probe ``inner`` on a tiny tree at init and refuse it
       if its result depends on how leaves are split.
+    clip_rule: how ``max_grad_norm`` clips: ``"optax"`` (as
+      ``optax.clip_by_global_norm``: ``g * c / norm`` when ``norm >= c``) or
+      ``"deepspeed"`` (ZeRO-1/2's ``g / max(1, (norm + 1e-6) / c)``).
 
   Returns:
     A :class:`Zero1Transformation`. Its ``update(grads, state, params)``
@@ -226,7 +233,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
   """
   cfg = Zero1Config(axis_name, reduce, bucket_bytes, gather_bucket_bytes,
                     master_dtype, max_grad_norm, loss_scale, reduce_dtype,
-                    check_elementwise)
+                    check_elementwise, clip_rule)
   axis = axis_name
 
   def init_from(params, values) -> Zero1State:
@@ -271,7 +278,12 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                  jnp.float32(0))
     g_norm = jnp.sqrt(jax.lax.psum(sq_shard.astype(jnp.float32), axis)
                       + sq_rep.astype(jnp.float32))
-    if cfg.max_grad_norm is not None:
+    if cfg.max_grad_norm is not None and cfg.clip_rule == "deepspeed":
+      # runtime/zero/stage_1_and_2.py: clip = max(1, (norm + 1e-6) / c)
+      coef = jnp.maximum(jnp.float32(1), (g_norm + jnp.float32(1e-6))
+                         / jnp.float32(cfg.max_grad_norm))
+      g = {i: v / coef.astype(v.dtype) for i, v in g.items()}
+    elif cfg.max_grad_norm is not None:
       trigger = g_norm < cfg.max_grad_norm
       g = {i: jax.lax.select(trigger, v,
                              (v / g_norm.astype(v.dtype)) * cfg.max_grad_norm)
