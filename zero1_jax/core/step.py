@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero1_jax.core import elementwise as ew
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core.transform import Zero1State, Zero1Transformation
 
@@ -75,7 +76,7 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh
   n = _axis_size(tx, mesh)
   specs = zspecs.state_specs(tx, params, n)
   if tx.config.check_elementwise:
-    zspecs.check_elementwise(tx, params)
+    ew.check_elementwise(tx.inner, params, n, tx.config.master_dtype)
   # A fresh copy: the step donates params, and the caller keeps theirs.
   params = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
                    out_shardings=NamedSharding(mesh, P()))(params)
