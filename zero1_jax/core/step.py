@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero1_jax.core import elementwise as ew
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core.transform import Zero1State, Zero1Transformation
 
@@ -88,7 +89,7 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
   train = jax.eval_shape(cast, params)
   specs = zspecs.state_specs(tx, train, n)
   if tx.config.check_elementwise:
-    zspecs.check_elementwise(tx, train)
+    ew.check_elementwise(tx.inner, train, n, tx.config.master_dtype)
   rep = NamedSharding(mesh, P())
   # A fresh copy: the step donates params, and the caller keeps theirs.
   values = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=rep)(params)

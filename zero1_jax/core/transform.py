@@ -215,8 +215,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     loss_scale: a :mod:`zero1_jax.core.precision` policy. None: dynamic
       (DeepSpeed defaults) when any parameter is float16, otherwise none.
     reduce_dtype: dtype gradients travel in (default: their own dtype).
-    check_elementwise: probe ``inner`` on a tiny tree at init and refuse it
-      if its result depends on how leaves are split.
+    check_elementwise: at init, refuse ``inner`` unless it is elementwise
+      (:func:`zero1_jax.core.elementwise.check_elementwise`: its jaxpr, then a
+      numeric probe on the real shard dims).
     clip_rule: how ``max_grad_norm`` clips: ``"optax"`` (as
       ``optax.clip_by_global_norm``: ``g * c / norm`` when ``norm >= c``) or
       ``"deepspeed"`` (ZeRO-1/2's ``g / max(1, (norm + 1e-6) / c)``).

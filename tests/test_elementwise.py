@@ -1,0 +1,290 @@
+"""Every optimizer in ``optax`` and ``optax.contrib`` under ``z1.zero1`` at
+N=4: it either trains the same weights as unsharded optax, or ``z1.init``
+refuses it with the documented message. Never a third outcome (silently
+different weights, or a crash). The README's lists are checked against the
+outcomes here, so they cannot rot.
+
+Tolerance. The reference is a jitted unsharded optax step on the global
+batch. Its gradient sums the batch in one order; zero1 sums 4 per-device
+gradients. How much an optimizer amplifies that is its own property (sign-
+based ones flip on near-zero gradients, adaptive ones divide by small
+moments), so it is measured: the same jitted reference run with the gradient
+taken as the mean of the 4 per-device gradients (the other summation order)
+with every element then moved one ulp up or down (so that no element's
+sensitivity hides behind a sum that happens to round the same way) gives
+``sens`` = max|ref_alt - ref| per leaf. Rounding *inside* the optimizer also
+differs between two XLA programs (acprop: jitted and eager optax alone differ
+by 5e-6 relative after 5 steps, far more than a 1-ulp gradient moves it), so
+``sens`` also takes max|ref_eager - ref|, optax run op by op. We require per leaf
+``max|z1 - ref| <= 4 * sens + 1e-6 * max(max|ref|, 1e-3)``: a few times the
+optimizer's own sensitivity plus the fp32 floor of tests/test_equivalence.py.
+"""
+
+import inspect
+import pathlib
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+
+import zero1_jax as z1
+from zero1_jax.core import elementwise as ew
+from helpers import batch, float_part, loss_fn, mesh, odd_params
+
+N, STEPS, LR = 4, 5, 1e-2
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ADAM = lambda: optax.adam(LR)
+ndim_mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+
+# Constructor arguments beyond ``learning_rate=LR`` (wrappers get adam).
+ARGS = {
+    "adaptive_grad_clip": dict(clipping=0.1),
+    "add_noise": dict(eta=0.01, gamma=0.55, key=0),
+    "apply_if_finite": lambda: optax.apply_if_finite(ADAM(), 3),
+    "chain": lambda: optax.chain(optax.centralize(), ADAM()),
+    "clip": dict(max_delta=1.0),
+    "clip_by_block_rms": dict(threshold=1.0),
+    "clip_by_global_norm": dict(max_norm=1.0),
+    "conditionally_mask": lambda: optax.conditionally_mask(ADAM(), lambda c: c % 2 == 0),
+    "conditionally_transform": lambda: optax.conditionally_transform(
+        ADAM(), lambda c: c % 2 == 0),
+    "ema": dict(decay=0.9),
+    "flatten": lambda: optax.flatten(ADAM()),
+    "freeze": lambda: optax.freeze(ndim_mask),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.linear_schedule(LR, 0.0, STEPS), weight_decay=0.01),
+    "inject_stateful_hyperparams": lambda: optax.inject_stateful_hyperparams(
+        optax.adamw)(learning_rate=optax.linear_schedule(LR, 0.0, STEPS)),
+    "lookahead": lambda: optax.lookahead(ADAM(), 2, 0.5),
+    "masked": lambda: optax.masked(ADAM(), ndim_mask),
+    "measure_with_ema": lambda: optax.measure_with_ema(lambda u: u, 0.9),
+    "multi_transform": lambda: optax.multi_transform(
+        {"a": ADAM(), "s": optax.sgd(LR)},
+        lambda p: jax.tree.map(lambda x: "a" if x.ndim > 1 else "s", p)),
+    "partition": lambda: optax.partition(
+        {"a": ADAM(), "s": optax.sgd(LR)},
+        lambda p: jax.tree.map(lambda x: "a" if x.ndim > 1 else "s", p)),
+    "noisy_sgd": dict(learning_rate=LR, key=0),
+    "scale": dict(step_size=-LR),
+    "scale_by_backtracking_linesearch": dict(max_backtracking_steps=5),
+    "scale_by_schedule": lambda: optax.scale_by_schedule(optax.linear_schedule(1.0, 0.1, 5)),
+    "scale_by_zoom_linesearch": dict(max_linesearch_steps=5),
+    "selective_transform": lambda: optax.selective_transform(
+        ADAM(), freeze_mask=jax.tree.map(lambda x: x.ndim == 1, float_part(odd_params()))),
+    "snapshot": lambda: optax.snapshot("m", lambda u: u),
+    "stateless": lambda: optax.stateless(lambda g, p: jax.tree.map(lambda x: -LR * x, g)),
+    "stateless_with_tree_map": lambda: optax.stateless_with_tree_map(lambda g, p: -LR * g),
+    "trace": dict(decay=0.9),
+    "with_extra_args_support": lambda: optax.with_extra_args_support(ADAM()),
+    "differentially_private_aggregate": dict(l2_norm_clip=1.0, noise_multiplier=0.1, key=0),
+    "dpsgd": dict(learning_rate=LR, l2_norm_clip=1.0, noise_multiplier=0.1, seed=0),
+    "mechanize": lambda: optax.contrib.mechanize(ADAM()),
+    "sam": lambda: optax.contrib.sam(ADAM(), optax.sgd(LR)),
+    "schedule_free": lambda: optax.contrib.schedule_free(optax.sgd(LR), LR),
+    "split_real_and_imaginary": lambda: optax.contrib.split_real_and_imaginary(ADAM()),
+}
+# Built above with a learning rate inside (no chain with scale(-LR)).
+LR_INSIDE = {"inject_hyperparams", "inject_stateful_hyperparams", "chain",
+             "apply_if_finite", "conditionally_mask", "conditionally_transform",
+             "multi_transform", "partition", "mechanize", "sam", "lookahead",
+             "selective_transform", "with_extra_args_support", "stateless",
+             "stateless_with_tree_map", "split_real_and_imaginary",
+             "scale", "flatten"}
+# Combinations the issue and the README name.
+EXTRA = {
+    "chain(centralize, adam)": lambda: optax.chain(optax.centralize(), ADAM()),
+    "chain(clip_by_global_norm, adam)": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), ADAM()),
+    "inject_hyperparams(adamw, schedule)": lambda: optax.inject_hyperparams(
+        optax.adamw)(learning_rate=optax.warmup_cosine_decay_schedule(
+            0.0, LR, 2, STEPS), weight_decay=0.01),
+    "adamw(mask)": lambda: optax.adamw(LR, weight_decay=0.1, mask=ndim_mask),
+}
+
+
+def _factories() -> dict:
+  """Public callables of optax/optax.contrib returning a transformation."""
+  out = {}
+  for mod in (optax, optax.contrib):
+    for name in sorted(dir(mod)):
+      f = getattr(mod, name)
+      if name.startswith("_") or not inspect.isfunction(f):
+        continue
+      ret = str(inspect.signature(f).return_annotation)
+      if "GradientTransformation" not in ret and name not in ARGS:
+        needed = [p for p in inspect.signature(f).parameters.values()
+                  if p.default is p.empty and p.kind != p.VAR_KEYWORD]
+        if needed or ret != str(inspect.Signature.empty):
+          continue
+        try:   # unannotated, no required args: a transformation?
+          with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if not isinstance(f(), optax.GradientTransformation):
+              continue
+        except Exception:  # noqa: BLE001
+          continue
+      out[f"{mod.__name__}.{name}"] = (f, name)
+  return out
+
+
+def make(f, name):
+  """``f`` built with ARGS (else learning_rate=LR); a transformation without
+  a learning rate is followed by ``scale(-LR)`` so that it descends."""
+  a = ARGS.get(name)
+  params = inspect.signature(f).parameters
+  if callable(a):
+    tx = a()
+  else:
+    kw = dict(a) if a else {}
+    if "learning_rate" in params and "learning_rate" not in kw:
+      kw["learning_rate"] = LR
+    tx = f(**kw)
+  has_lr = "learning_rate" in params or name in LR_INSIDE
+  return tx if has_lr else optax.chain(tx, optax.scale(-LR))
+
+
+FACTORIES = _factories()
+CASES = {**{k: (lambda f=f, n=n: make(f, n)) for k, (f, n) in FACTORIES.items()},
+         **EXTRA}
+
+
+def readme_lists() -> tuple[set, set]:
+  text = README.read_text()
+  block = re.search(r"<!-- optimizers: begin.*?-->(.*?)<!-- optimizers: end -->",
+                    text, re.S).group(1)
+  sup = re.search(r"Supported[^:]*:(.*?)(?:\n\n|\Z)", block, re.S).group(1)
+  ref = re.search(r"Refused[^:]*:(.*?)(?:\n\n|\Z)", block, re.S).group(1)
+  names = lambda s: set(re.findall(r"`([^`]+)`", s))
+  return names(sup), names(ref)
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return [batch(16, seed=s) for s in range(STEPS)]
+
+
+UP = jax.tree.map(lambda x: np.random.default_rng(x.size).random(x.shape) < 0.5,
+                  float_part(odd_params()))
+
+
+def reference(tx, params, batches):
+  """Jitted unsharded optax, twice in one program: on the gradient of the
+  global batch, and on the mean of the N per-device gradients (the same
+  batch summed in another order, each element then moved by one ulp); and
+  the same optax op by op (eager: its own arithmetic rounded as another
+  program rounds it). Returns the three final params."""
+  p = float_part(params)
+  s = tx.init(p)
+
+  @jax.jit
+  def one(ps, ss, b):
+    chunks = jax.tree.map(lambda x: x.reshape((N, -1) + x.shape[1:]), b)
+    g_full = jax.grad(loss_fn)(ps[0], b)
+    g_dev = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(ps[1], chunks)
+    g_split = jax.tree.map(lambda x: jnp.mean(x, 0), g_dev)
+    # ... and every element 1 ulp off, up or down (fixed random signs), so
+    # that no element's sensitivity hides behind an order that happens to
+    # round the same way.
+    g_split = jax.tree.map(
+        lambda x, d: jnp.nextafter(x, jnp.where(d, jnp.inf, -jnp.inf)),
+        g_split, UP)
+    out = [tx.update(g, st, q) for g, st, q in zip((g_full, g_split), ss, ps)]
+    return ([optax.apply_updates(q, u) for q, (u, _) in zip(ps, out)],
+            [st for _, st in out])
+
+  ps, ss = [p, p], [s, s]
+  eager, es = p, s
+  for b in batches:
+    ps, ss = one(ps, ss, b)
+    u, es = tx.update(jax.grad(loss_fn)(eager, b), es, eager)
+    eager = optax.apply_updates(eager, u)
+  return ps + [eager]
+
+
+def outcome(make_tx, batches):
+  """("refused", message) or ("matched", worst error / allowed error)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    tx = z1.zero1(make_tx(), axis_name="data")
+    params = odd_params()
+    try:
+      p, s = z1.init(tx, params, mesh(N))
+    except ValueError as e:
+      return "refused", str(e)
+    step = z1.train_step(loss_fn, tx, mesh(N))
+    for b in batches:
+      p, s, _ = step(p, s, b)
+    ref, alt, eager = reference(make_tx(), params, batches)
+  worst = 0.0
+  for k, got in jax.tree_util.tree_flatten_with_path(float_part(p))[0]:
+    want = np.asarray(_at(ref, k), np.float64)
+    sens = max(np.max(np.abs(np.asarray(_at(o, k), np.float64) - want),
+                      initial=0) for o in (alt, eager))
+    err = np.max(np.abs(np.asarray(got, np.float64) - want), initial=0)
+    allowed = 4 * sens + 1e-6 * max(np.max(np.abs(want), initial=0), 1e-3)
+    worst = max(worst, err / allowed if np.isfinite(err) else np.inf)
+  return "matched", worst
+
+
+def _at(tree, path):
+  for k in path:
+    tree = tree[k.key]
+  return tree
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_unsharded_optax_or_is_refused(name, batches):
+  kind, detail = outcome(CASES[name], batches)
+  if kind == "refused":
+    assert detail.startswith("zero1: the inner optimizer is not elementwise ("), detail
+    assert "Use it unsharded" in detail, detail
+  else:
+    assert detail <= 1.0, f"{name}: error {detail:.3g} x the allowed tolerance"
+  if name in FACTORIES:
+    supported, refused = readme_lists()
+    listed = "matched" if name in supported else "refused" if name in refused else None
+    assert listed == kind, f"README lists {name} as {listed}, the test finds {kind}"
+
+
+def test_readme_lists_exactly_the_enumerated_optimizers():
+  supported, refused = readme_lists()
+  assert not supported & refused, supported & refused
+  assert supported | refused == set(FACTORIES), (
+      f"missing from README: {sorted(set(FACTORIES) - supported - refused)}; "
+      f"not an optax optimizer: {sorted((supported | refused) - set(FACTORIES))}")
+
+
+@pytest.mark.parametrize("name,why", [
+    ("chain(centralize, adam)", "reduce_sum on parameter-shaped data"),
+    ("optax.contrib.dadapt_adamw", "dot_general on parameter-shaped data"),
+    ("optax.noisy_sgd", "random numbers drawn with a shape of the shard"),
+    ("optax.lamb", "reduces across elements"),
+])
+def test_the_issue_cases_are_refused_for_the_right_reason(name, why):
+  with pytest.raises(ValueError, match=re.escape(why)):
+    z1.init(z1.zero1(CASES[name](), axis_name="data"), odd_params(), mesh(N))
+
+
+def test_probe_alone_catches_whole_tree_scalar_state():
+  """The second line on its own: dadapt_adamw's scalar state differs."""
+  layout = z1.plan(float_part(odd_params()), N)
+  assert "its state on N=4 shards differs" in ew.probe_reason(
+      optax.contrib.dadapt_adamw(), layout)
+  assert ew.probe_reason(optax.adam(LR), layout) is None
+  # A PRNG key in the state is compared, not a crash.
+  assert ew.probe_reason(optax.add_noise(0.01, 0.55, key=0), layout)
+
+
+def test_size_dependent_scale_is_caught_by_the_probe():
+  """Elementwise in its jaxpr, yet scaled by the leaf size: only the probe,
+  which runs on real shard dims, can see it."""
+  by_size = optax.stateless(
+      lambda g, p: jax.tree.map(lambda x: x / np.sqrt(x.size), g))
+  layout = z1.plan(float_part(odd_params()), N)
+  assert ew.jaxpr_reason(by_size, layout) is None
+  assert "its update on N=4 shards differs" in ew.probe_reason(by_size, layout)
