@@ -205,10 +205,7 @@ class Checkpointer:
     the same error again at every later call, is replaced by a fresh one."""
     steps, self._pending = self._pending, []
     self._unrecorded.difference_update(steps)
-    try:
-      self._mgr.close()
-    except Exception:  # pylint: disable=broad-except
-      pass             # the same failure, already being reported
+    # Not close()d: that would stop thread pools orbax shares with the new one.
     self._mgr = ocp.CheckpointManager(self.directory, options=self._options)
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     what = ", ".join(map(str, steps)) or "?"
