@@ -11,9 +11,9 @@ to try the refusal on a small model.
 
 Example:
   >>> from zero1_jax.models import bert
-  >>> m = bert.make_config("bert-tiny", vocab_size=260, max_len=128)
+  >>> m = bert.make_config("bert-tiny", vocab_size=260, max_len=128)  # fp32
   >>> activation_bytes(m, micro_batch=8, seq_len=128) / 2**20
-  50.0
+  100.0
 """
 
 from __future__ import annotations
