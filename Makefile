@@ -21,7 +21,7 @@ demo: venv
 	$(BIN)/zero1-train --num_devices 4 \
 	  --deepspeed experiments/configs/ds_zero_stage1.json \
 	  --model_name_or_path bert-tiny --per_device_train_batch_size 8 \
-	  --max_steps $(DEMO_STEPS) --output_dir ./output
+	  --max_steps $(DEMO_STEPS) --output_dir ./output --overwrite_output_dir
 
 bench: venv
 	$(BIN)/python -m experiments.bench --out experiments/results

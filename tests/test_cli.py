@@ -49,7 +49,7 @@ def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,cfg_edit,message", [
     ([], None, "Check batch related parameters"),   # 32 != 2 x 1 x 4
-    ([], {"train_batch_size": 30}, "30 != 7 * 1 * 4"),   # 30 / 4 devices: no integer micro-batch
+    ([], {"train_batch_size": 30}, "30 != 2 * 1 * 4"),   # the flag's micro-batch 2, not 30 // 4 = 7
     (["--train_batch_size", "16"], None, "conflicts with train_batch_size=32"),
     ([], {"optimizer": {"type": "Adamm", "params": {}}}, "Adamm"),
     ([], {"bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled"),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,7 +1,10 @@
 """The README's complete example runs as written."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 
 def test_readme_complete_example_runs():
@@ -11,6 +14,24 @@ def test_readme_complete_example_runs():
   scope: dict = {}
   exec(compile(example, "README.md", "exec"), scope)
   assert float(scope["metrics"]["loss"]) < 1.0
+
+
+def test_readme_checkpoint_example_runs_as_written_from_another_dir(tmp_path):
+  """The complete example, then the Checkpoints block, pasted into a new
+  file and run from an unrelated directory: relative paths, no extra calls,
+  exit 0 only if the steps were committed and exported."""
+  root = pathlib.Path(__file__).parent.parent
+  blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
+  example = next(b for b in blocks if "for _ in range(10)" in b)
+  ckpt = next(b for b in blocks if "z1.checkpoint.Checkpointer(" in b)
+  (tmp_path / "user.py").write_text(example + ckpt)
+  env = {**os.environ, "PYTHONPATH": str(root), "XLA_FLAGS": ""}
+  proc = subprocess.run([sys.executable, "user.py"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2", "3"]
+  assert (tmp_path / "fp32_params" / "_METADATA").exists()
 
 
 def test_names_the_readme_uses_are_public():

@@ -130,3 +130,84 @@ def device_bytes(tree: Any, device=None) -> int:
       device = shards[0].device
     total += sum(s.data.nbytes for s in shards if s.device == device)
   return total
+
+
+# -- will it fit? ------------------------------------------------------------
+
+CAPACITY_ENV = "ZERO1_DEVICE_MEMORY_BYTES"   # overrides capacity(): bytes/device
+
+
+class MemoryEstimate(NamedTuple):
+  """Bytes one data-parallel device needs for a ZeRO-1 step (see :func:`estimate`)."""
+  params: int        # replicated parameters, compute dtype
+  grads: int         # full local gradients and the fp32 reduce buffers
+  state: int         # 1/N of the fp32 master copy and optimizer moments
+  activations: int   # what the backward pass keeps of one micro-batch
+
+  @property
+  def per_device(self) -> int:
+    return self.params + self.grads + self.state + self.activations
+
+
+def estimate(num_params: int, num_devices: int, *, param_itemsize: int = 4,
+             state_bytes_per_param: int = 12, activation_bytes: int = 0
+             ) -> MemoryEstimate:
+  """Analytic per-device bytes of a ZeRO-1 step, before anything is allocated.
+
+  Parameters are whole on every device; gradients too, counted as the
+  compute-dtype gradient plus an fp32 copy for the reduction and the update;
+  the master copy and optimizer moments (``state_bytes_per_param``: 12 for
+  Adam) are split N ways; ``activation_bytes`` is the caller's model-specific
+  figure for one micro-batch.
+
+  >>> e = estimate(1_000_000, 4, param_itemsize=2, activation_bytes=10)
+  >>> e.params, e.grads, e.state, e.per_device
+  (2000000, 6000000, 3000000, 11000010)
+  """
+  return MemoryEstimate(
+      params=num_params * param_itemsize,
+      grads=num_params * (param_itemsize + 4),
+      state=-(-num_params * state_bytes_per_param // num_devices),
+      activations=int(activation_bytes))
+
+
+def _host_available() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  import os
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def capacity(devices) -> tuple[int, str]:
+  """``(bytes each of ``devices`` can hold, where that figure comes from)``.
+
+  GPU/TPU: the allocator's limit (``memory_stats()['bytes_limit']``), the
+  smallest over ``devices``. Simulated CPU devices share the host's RAM: the
+  available memory (``MemAvailable``) divided among those of this process.
+  The environment variable ``ZERO1_DEVICE_MEMORY_BYTES`` overrides both.
+  """
+  import os
+  env = os.environ.get(CAPACITY_ENV)
+  if env:
+    return int(float(env)), f"{CAPACITY_ENV}={env}"
+  limits = []
+  for d in devices:
+    stats = None
+    try:
+      stats = d.memory_stats()
+    except Exception:  # pylint: disable=broad-except  (CPU: unsupported)
+      pass
+    if stats and stats.get("bytes_limit"):
+      limits.append(int(stats["bytes_limit"]))
+  if limits and len(limits) == len(devices):
+    return min(limits), f"{devices[0].platform.upper()} allocator limit"
+  import jax
+  local = [d for d in devices if d.process_index == jax.process_index()] or devices
+  avail = _host_available()
+  return avail // len(local), (f"{avail / 1024**3:.1f} GiB of available host "
+                               f"RAM shared by {len(local)} simulated devices")

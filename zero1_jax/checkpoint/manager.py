@@ -3,10 +3,17 @@ exact resume, and export of the fp32 master weights.
 
 Example (needs a mesh, params and a train loop, so not run as a doctest)::
 
-  ckpt = z1.checkpoint.Checkpointer("/ckpt", max_to_keep=3)
-  ckpt.save(step, params, opt_state, extra={"step": step, "seed": 0})
-  params, opt_state, extra = ckpt.restore(None, tx, params, mesh)
-  z1.checkpoint.export_params("/ckpt", "/export")          # zero_to_fp32
+  with z1.checkpoint.Checkpointer("ckpt", max_to_keep=3) as ckpt:
+    ckpt.save(step, params, opt_state, extra={"step": step, "seed": 0})
+    params, opt_state, extra = ckpt.restore(None, tx, params, mesh)
+  z1.checkpoint.export_params("ckpt", "export")  # zero_to_fp32 (export.py)
+
+Relative paths are resolved against the current directory once, when they
+enter the API. A failed save, foreground or background, raises
+:class:`CheckpointSaveError` at the next call that waits for it (the next
+``save``, ``restore``, ``wait``, ``close`` or the end of the ``with`` block);
+saves still pending at a normal interpreter exit are finished first, and a
+failure then is one line on stderr and exit status 1.
 
 One orbax step directory per saved step holds four items: ``params`` (the
 replicated parameters), ``state`` (every :class:`Zero1State` leaf: master
@@ -33,19 +40,19 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zero1_jax.checkpoint import reshard
+from zero1_jax.checkpoint import lifecycle, reshard
 from zero1_jax.checkpoint.reshard import (CheckpointError, CheckpointMismatchError,
-                               UnreadableCheckpointError)
+                                          CheckpointSaveError,
+                                          UnreadableCheckpointError)
 from zero1_jax.core.transform import Zero1State
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointMismatchError",
-           "UnreadableCheckpointError", "export_params", "load_params"]
+           "CheckpointSaveError", "UnreadableCheckpointError"]
 
 log = logging.getLogger(__name__)
 
 _COMMIT = "commit_success.txt"
 _FILES = "zero1_files.json"      # every file of a committed step and its size
-_EXPORT_INFO = "zero1_export.json"
 _REQUIRED = {"params": "_METADATA", "state": "_METADATA", "meta": "metadata",
              "extra": "metadata"}
 
@@ -57,7 +64,7 @@ def _noise(r: logging.LogRecord) -> bool:
           and ("orbax" in m or "tensorstore_spec" in m))
 
 
-def _quiet_failed_reads() -> None:
+def quiet_failed_reads() -> None:
   """When one of orbax's concurrent reads fails, the others finish after its
   event loop closed and print 'Event loop is closed' / 'Task exception was
   never retrieved' tracebacks. The error itself is already raised with a clear
@@ -82,30 +89,46 @@ def _quiet_failed_reads() -> None:
 class Checkpointer:
   """Saves and restores zero1 training state in ``directory``.
 
+  Use it as a context manager (or call :meth:`close`): leaving the block
+  waits for the pending saves and raises if one failed.
+
   Args:
     directory: where step directories go (created if missing, unless
-      ``create=False``).
+      ``create=False``); a relative path is taken from the current directory
+      now, so a later ``os.chdir`` does not move it.
     max_to_keep: keep only the newest this many steps (None: all).
     async_save: return from :meth:`save` once the arrays are copied to host;
-      the files are written in the background (call :meth:`wait` before
-      exiting, or use the Checkpointer as a context manager).
+      the files are written in the background. Pending saves are finished
+      by :meth:`wait`, :meth:`close`, the next :meth:`save` and, at the
+      latest, at interpreter exit.
     create: create ``directory`` if it is missing.
+
+  Raises:
+    CheckpointError: ``directory`` is a file or cannot be created.
   """
 
   def __init__(self, directory, *, max_to_keep: int | None = None,
                async_save: bool = True, create: bool = True):
-    self.directory = epath.Path(directory)
+    self.directory = lifecycle.absolute(directory)
+    if self.directory.exists() and not self.directory.is_dir():
+      raise CheckpointError(f"zero1 checkpoint: {self.directory} is a file, "
+                            f"not a directory")
     if not create and not self.directory.is_dir():
       raise UnreadableCheckpointError(
           f"zero1 checkpoint: directory {self.directory} does not exist")
-    policy = (ocp.checkpoint_managers.LatestN(max_to_keep)
-              if max_to_keep is not None else None)
-    self._mgr = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, create=create,
-            preservation_policy=policy))
+    self._options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=async_save, create=create,
+        preservation_policy=(ocp.checkpoint_managers.LatestN(max_to_keep)
+                             if max_to_keep is not None else None))
+    try:
+      self._mgr = ocp.CheckpointManager(self.directory, options=self._options)
+    except OSError as e:
+      raise CheckpointError(f"zero1 checkpoint: cannot create "
+                            f"{self.directory}: {e.strerror or e}") from e
     self._unrecorded: set[int] = set()
+    self._pending: list[int] = []     # saves not yet known to be committed
     self._async = async_save
+    lifecycle.finish_at_exit(self, "_finish_at_exit")
 
   # -- listing --------------------------------------------------------------
 
@@ -154,25 +177,41 @@ class Checkpointer:
     step = int(step)
     extra = reshard.jsonable(extra or {}, "extra")
     meta = reshard.manifest(params, opt_state, reshard.jsonable(config, "config"))
+    self.wait()              # an earlier save's failure surfaces here
     if step in self._step_dirs():
       if not force:
         raise CheckpointError(f"zero1 checkpoint: step {step} already exists "
                               f"in {self.directory} (pass force=True to "
                               f"replace it)")
-      self.wait()
       self._mgr.delete(step)
     # orbax refuses zero-size arrays: those are rebuilt from the manifest.
     flat = lambda tree, recs: {r["name"]: x for r, x in
                                zip(recs, jax.tree.leaves(tree)) if np.size(x)}
-    self._mgr.save(step, force=True, args=ocp.args.Composite(
-        params=ocp.args.PyTreeSave(flat(params, meta["params"])),
-        state=ocp.args.PyTreeSave(flat(opt_state, meta["state"])),
-        meta=ocp.args.JsonSave(meta),
-        extra=ocp.args.JsonSave(extra)))
-    self._record_files()     # earlier saves: orbax finished them before this
+    self._pending.append(step)
     self._unrecorded.add(step)
+    try:
+      self._mgr.save(step, force=True, args=ocp.args.Composite(
+          params=ocp.args.PyTreeSave(flat(params, meta["params"])),
+          state=ocp.args.PyTreeSave(flat(opt_state, meta["state"])),
+          meta=ocp.args.JsonSave(meta),
+          extra=ocp.args.JsonSave(extra)))
+    except Exception as e:  # orbax / tensorstore / the file system
+      raise self._save_failed(e) from e
     if not self._async:
-      self._record_files()
+      self.wait()
+
+  def _save_failed(self, e: BaseException) -> CheckpointSaveError:
+    """The error for the pending saves; the orbax manager, which would raise
+    the same error again at every later call, is replaced by a fresh one."""
+    steps, self._pending = self._pending, []
+    self._unrecorded.difference_update(steps)
+    # Not close()d: that would stop thread pools orbax shares with the new one.
+    self._mgr = ocp.CheckpointManager(self.directory, options=self._options)
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    what = ", ".join(map(str, steps)) or "?"
+    return CheckpointSaveError(
+        f"zero1 checkpoint: saving step {what} to {self.directory} failed: "
+        f"{msg}; that step is not committed")
 
   def _record_files(self) -> None:
     """Lists the files (and sizes) of this instance's finished saves in
@@ -190,19 +229,40 @@ class Checkpointer:
         self._unrecorded.discard(step)
 
   def wait(self) -> None:
-    """Blocks until every pending save is committed."""
-    self._mgr.wait_until_finished()
+    """Blocks until every pending save is committed.
+
+    Raises:
+      CheckpointSaveError: a pending save failed (named by step).
+    """
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:  # the background save's own error
+      raise self._save_failed(e) from e
+    self._pending.clear()
     self._record_files()
 
-  def close(self) -> None:
-    self.wait()
-    self._mgr.close()
+  def _finish_at_exit(self) -> None:
+    if self._pending:
+      self.wait()
 
-  def __enter__(self):
+  def close(self) -> None:
+    """Waits for pending saves (raising if one failed) and releases orbax."""
+    try:
+      self.wait()
+    finally:
+      self._mgr.close()
+
+  def __enter__(self) -> "Checkpointer":
     return self
 
-  def __exit__(self, *exc):
-    self.close()
+  def __exit__(self, exc_type, *exc) -> None:
+    if exc_type is None:
+      self.close()
+      return
+    try:                     # the body's error wins over a save failure
+      self.close()
+    except CheckpointError as e:
+      log.error("%s", e)
 
   # -- restore --------------------------------------------------------------
 
@@ -295,7 +355,7 @@ class Checkpointer:
           state=args(s_t, False, len(s_t.names) < len(meta["state"]))))
     except Exception as e:  # orbax / tensorstore: missing or damaged files
       reason = reshard.read_error(e, str(self.directory))
-      _quiet_failed_reads()
+      quiet_failed_reads()
       raise UnreadableCheckpointError(f"{where} is unreadable: {reason}") from e
     return leaves(p_t, out["params"]), leaves(s_t, out["state"]), extra
 
@@ -347,77 +407,3 @@ class Checkpointer:
     raise UnreadableCheckpointError(
         f"zero1 checkpoint: no restorable step in {self.directory} "
         f"(skipped {skipped})")
-
-
-def export_params(ckpt_dir, out_dir, step: int | None = None, *,
-                  overwrite: bool = False) -> int:
-  """Writes the consolidated fp32 master weights of ``step`` (latest) as a
-  plain orbax PyTree checkpoint in ``out_dir``; returns the step exported.
-
-  The DeepSpeed ``zero_to_fp32`` equivalent: every floating parameter is its
-  unpadded master copy (fp32 even for fp16/bf16 training), integer leaves are
-  the saved parameters. Load it with :func:`load_params`, or with plain orbax:
-  ``ocp.StandardCheckpointer().restore(out_dir)``.
-  """
-  out = epath.Path(out_dir)
-  if out.exists():
-    if any(out.iterdir()) and not overwrite:
-      raise CheckpointError(f"zero1 export: output directory {out} already "
-                            f"exists and is not empty (use overwrite=True / "
-                            f"--overwrite)")
-    out.rmtree()
-  ckpt = Checkpointer(ckpt_dir, async_save=False, create=False)
-  try:
-    step = ckpt._resolve(step)
-    meta = ckpt._read_json(step, "meta")
-    p_names, s_names = reshard.master_names(meta)
-    np_args = lambda names: ocp.args.PyTreeRestore(
-        item={n: 0 for n in names}, partial_restore=True, restore_args={
-            n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names})
-    items = {"state": np_args(s_names)} if s_names else {}
-    if p_names:
-      items["params"] = np_args(p_names)
-    try:
-      got = ckpt._mgr.restore(step, args=ocp.args.Composite(**items))
-    except Exception as e:
-      reason = reshard.read_error(e, str(ckpt.directory))
-      _quiet_failed_reads()
-      raise UnreadableCheckpointError(
-          f"zero1 checkpoint: step {step} in {ckpt.directory} is unreadable: "
-          f"{reason}") from e
-  finally:
-    ckpt.close()
-  items = reshard.export_items(meta, got.get("params") or {},
-                               got.get("state") or {})
-  # orbax cannot store zero-size arrays: they are listed in a JSON file.
-  empty = [{"keys": k, "shape": list(x.shape), "dtype": x.dtype.name}
-           for k, x in items if not x.size]
-  with ocp.StandardCheckpointer() as c:
-    c.save(out.absolute(), reshard.nest([(k, x) for k, x in items if x.size]))
-  (out / _EXPORT_INFO).write_text(json.dumps(
-      {"format": reshard.FORMAT, "checkpoint_dir": str(ckpt.directory),
-       "step": step, "zero_size_leaves": empty}, indent=1))
-  return step
-
-
-def load_params(out_dir):
-  """Loads an :func:`export_params` directory as a tree of numpy arrays."""
-  path = epath.Path(out_dir)
-  if not (path / "_METADATA").exists():
-    raise UnreadableCheckpointError(
-        f"zero1 export: {path} is not an exported parameter directory "
-        f"(no _METADATA)")
-  with ocp.PyTreeCheckpointer() as c:
-    meta = c.metadata(path.absolute()).item_metadata.tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-    tree = c.restore(path.absolute(), args=ocp.args.PyTreeRestore(
-        restore_args=args))
-  info = path / _EXPORT_INFO
-  empty = json.loads(info.read_text())["zero_size_leaves"] if info.exists() else []
-  if not empty:
-    return tree
-  items = [(reshard.encode_path(p), x)
-           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  items += [(e["keys"], np.zeros(e["shape"], jax.numpy.dtype(e["dtype"])))
-            for e in empty]
-  return reshard.nest(items)

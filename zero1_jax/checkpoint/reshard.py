@@ -45,6 +45,10 @@ class CheckpointMismatchError(CheckpointError):
   """The checkpoint's tree or shapes differ from the model being restored."""
 
 
+class CheckpointSaveError(CheckpointError):
+  """A save (foreground or background) failed; nothing of it is committed."""
+
+
 def entries(tree) -> list[tuple[str, tuple, Any]]:
   """``(keystr, keypath, leaf)`` for each leaf of ``tree``, in flatten order."""
   return [(jax.tree_util.keystr(p), p, x)

@@ -4,12 +4,18 @@ count, the data mesh, the seed's memory log, progress, outputs, errors."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import logging
 import sys
 from typing import Callable
 
-_GB = 1024 ** 3
+_GiB = 1024 ** 3
+
+
+def gib(nbytes: float) -> str:
+  """``1.5 GiB`` (binary units, as the memory lines print them)."""
+  return f"{nbytes / _GiB:.3g} GiB"
 
 
 class UsageError(ValueError):
@@ -56,9 +62,10 @@ def data_mesh(jax, num_devices: int | None, axis: str = "data"):
   return jax.make_mesh((n,), (axis,), devices=devices[:n])
 
 
-def log_memory(engine, cfg) -> dict:
+def log_memory(engine, cfg, estimate=None) -> dict:
   """The seed's per-rank lines, measured from the live sharded arrays; each
-  process reports the ranks (devices) it holds."""
+  process reports the ranks (devices) it holds. ``estimate``: the
+  ``(MemoryEstimate, capacity, source)`` of cli/memory.py, printed beside."""
   import jax
 
   from zero1_jax import inspect
@@ -71,9 +78,15 @@ def log_memory(engine, cfg) -> dict:
       continue
     per_rank[r] = inspect.device_bytes(state, d)
     print(f"[Rank {r}] Zero Stage 1: optimizer state partitioned")
-    print(f"[Rank {r}] Before: optimizer state {before / _GB:.4g} GB per GPU")
-    print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GB:.4g} GB per "
+    print(f"[Rank {r}] Before: optimizer state {before / _GiB:.4g} GiB per GPU")
+    print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GiB:.4g} GiB per "
           f"GPU (1/{n})")
+    if estimate is not None:
+      est, cap, _ = estimate
+      print(f"[Rank {r}] Estimate: step needs ~{gib(est.per_device)} per GPU "
+            f"(params {gib(est.params)}, grads {gib(est.grads)}, optimizer "
+            f"state {gib(est.state)}, activations {gib(est.activations)}) of "
+            f"{gib(cap)}")
     print(f"[Rank {r}] AllGather bucket size: "
           f"{int(cfg.zero.allgather_bucket_size)}", flush=True)
   return {"replicated_bytes": before, "ranks": list(per_rank),
@@ -139,25 +152,65 @@ def write_outputs(out_dir: str, history: list[dict], mem: dict, engine,
   else:
     plots.loss_curve(history, os.path.join(out_dir, "loss_curve.png"))
     plots.memory_bars(mem, os.path.join(out_dir, "memory.png"))
-  losses = [h["loss"] for h in history if not h["skipped"]] or [float("nan")]
+  losses = [h["loss"] for h in history
+            if not h["skipped"] and h["loss"] is not None]
   k = max(1, len(losses) // 10)
+  mean = lambda xs: sum(xs) / len(xs) if xs else None   # None: no step taken
   summary = {"steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-             "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k,
+             "first_loss": mean(losses[:k]), "last_loss": mean(losses[-k:]),
              "wall_s": wall, "memory": mem}
   with open(os.path.join(out_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+    json.dump(summary, f, indent=2, allow_nan=False)
   return summary
 
 
+def finite(x) -> float | None:
+  """``float(x)``, or None for NaN/inf (JSON has no NaN)."""
+  x = float(x)
+  return x if math.isfinite(x) else None
+
+
+def loss_text(summary: dict) -> str:
+  """``loss 5.61 -> 3.02``, or why there is none."""
+  if summary["first_loss"] is None:
+    return (f"no loss: all {summary['skipped_steps']} steps were skipped "
+            f"(fp16 loss-scale warm-up; run more steps)")
+  return f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}"
+
+
 def setup_logging() -> None:
-  """INFO lines from zero1_jax (config notes), warnings from everything."""
+  """INFO lines from zero1_jax (config notes), warnings from everything.
+  INFO lines are held back until :func:`release_notes` (once every check
+  passed), so an error is never preceded by notes about a run that will not
+  start."""
+  import logging.handlers
   log = logging.getLogger("zero1_jax")
-  if not log.handlers:
-    h = logging.StreamHandler()
-    h.setFormatter(logging.Formatter("[zero1_jax] %(message)s"))
-    log.addHandler(h)
+  for h in list(log.handlers):
+    if getattr(h, "_zero1", False):
+      log.removeHandler(h)
+  out = logging.StreamHandler()
+  out.setFormatter(logging.Formatter("[zero1_jax] %(message)s"))
+  held = logging.handlers.MemoryHandler(10_000, logging.WARNING, out,
+                                        flushOnClose=False)
+  held._zero1 = True
+  log.addHandler(held)
   log.setLevel(logging.INFO)
   log.propagate = False
+
+
+def drop_notes() -> None:
+  """Forgets the held INFO lines (the run stopped with an error)."""
+  for h in logging.getLogger("zero1_jax").handlers:
+    if getattr(h, "_zero1", False):
+      h.buffer.clear()
+
+
+def release_notes() -> None:
+  """Prints the held INFO lines; later ones print at once."""
+  for h in logging.getLogger("zero1_jax").handlers:
+    if getattr(h, "_zero1", False) and h.target is not None:
+      h.flush()
+      h.capacity = 0
 
 
 def guarded(fn: Callable, args, prog: str) -> int:
@@ -165,10 +218,12 @@ def guarded(fn: Callable, args, prog: str) -> int:
   from zero1_jax.deepspeed.config import ConfigError
   try:
     fn(args)
-  except (UsageError, ConfigError, ValueError, FileNotFoundError) as e:
+  except (UsageError, ConfigError, ValueError, OSError) as e:
+    drop_notes()
     print(f"{prog}: error: {e}", file=sys.stderr)
     return 2
   except RuntimeError as e:
+    drop_notes()
     print(f"{prog}: error: {e}", file=sys.stderr)
     return 1
   return 0

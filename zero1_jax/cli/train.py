@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from zero1_jax.cli import common
+from zero1_jax.cli import common, memory, rundir
 
 log = logging.getLogger("zero1_jax")
 
@@ -42,7 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--train_file", default=None,
                  help="any text file; default: the Python stdlib's sources")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--output_dir", default="./output")
+  p.add_argument("--output_dir", default="./output", help="must be empty or "
+                 "new, unless --resume or --overwrite_output_dir")
+  p.add_argument("--overwrite_output_dir", action="store_true",
+                 help="replace the earlier run in --output_dir")
+  p.add_argument("--ignore_memory_estimate", action="store_true",
+                 help="run even if the step's estimated memory exceeds what "
+                 "the devices have")
   p.add_argument("--logging_steps", type=int, default=10)
   p.add_argument("--no_progress", action="store_true",
                  help="no progress bar (log lines instead)")
@@ -68,8 +74,64 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
+_BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps",
+                "train_batch_size")
+
+
+def _load_config(zconfig, path: str, world_size: int, flags: dict):
+  """The JSON with the command-line flags applied, validated once: an error
+  names the numbers the flags gave (not the JSON's alone), and the config's
+  notes are printed only once it is valid."""
+  if all(v is None for v in flags.values()):
+    return zconfig.load_config(path, world_size=world_size)
+
+  def pairs(kv):
+    if len({k for k, _ in kv}) != len(kv):
+      raise ValueError("duplicate keys")
+    return dict(kv)
+
+  try:
+    with open(path, encoding="utf-8") as f:
+      raw = json.load(f, object_pairs_hook=pairs)
+  except (OSError, ValueError):
+    raw = None
+  if not isinstance(raw, dict):   # load_config says what is wrong with it
+    return zconfig.load_config(path, world_size=world_size)
+  stub = zconfig.DeepSpeedConfig(1, 1, 1, world_size, raw=raw, source=path)
+  return stub.with_overrides(**flags)
+
+
+def _resume_step(args, ckpt_dir: str) -> bool:
+  """Whether --resume has a checkpoint to load. ``latest`` with none is an
+  error (a mistyped --output_dir must not restart training), except after a
+  run that stopped before its first save (its metrics are there)."""
+  if not args.resume:
+    return False
+  if args.resume not in ("latest", "latest-valid"):
+    try:
+      int(args.resume)
+    except ValueError:
+      raise common.UsageError(f"--resume takes latest, latest-valid or a step "
+                              f"number, got {args.resume!r}") from None
+    return True
+  from zero1_jax import checkpoint
+  if os.path.isdir(ckpt_dir) and (
+      checkpoint.Checkpointer(ckpt_dir, create=False).latest_step() is not None
+      or args.resume == "latest-valid"):
+    return True
+  if rundir.has_metrics(args.output_dir):
+    print(f"[zero1-train] --resume {args.resume}: the run in {args.output_dir} "
+          f"stopped before its first checkpoint; starting it again from step 0",
+          flush=True)
+    return False
+  raise common.UsageError(
+      f"--resume {args.resume}: no checkpoint in {ckpt_dir} (is --output_dir "
+      f"right?). Drop --resume to start a new run")
+
+
 def _setup(args):
-  """Joins the job, builds config, model, data and engine."""
+  """Joins the job, builds config, model, data and engine; refuses a run
+  that cannot fit before the parameters exist."""
   common.overlap_flags(args.deepspeed)
   jax = common.start_jax(args.num_devices)
   from zero1_jax import data
@@ -83,36 +145,37 @@ def _setup(args):
       auto=args.distributed_auto,
       heartbeat_timeout_seconds=args.heartbeat_timeout)
   mesh = common.data_mesh(jax, None if multi else args.num_devices)
-  cfg = zconfig.load_config(args.deepspeed, world_size=mesh.shape["data"])
-  cfg = cfg.with_overrides(
+  main = distributed.is_main_process()
+  if not main:    # the config notes: once per job
+    logging.getLogger("zero1_jax").setLevel(logging.WARNING)
+  cfg = _load_config(zconfig, args.deepspeed, mesh.shape["data"], dict(
       train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
       gradient_accumulation_steps=args.gradient_accumulation_steps,
-      train_batch_size=args.train_batch_size, lr=args.learning_rate)
+      train_batch_size=args.train_batch_size, lr=args.learning_rate))
   dtype = zengine.compute_dtype(cfg) or jax.numpy.float32
   mcfg = bert.make_config(args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
                           max_len=args.seq_len, dtype=dtype)
-  if distributed.is_main_process():
+  resume = _resume_step(args, os.path.join(args.output_dir, "checkpoints"))
+  init = lambda key: bert.init_params(mcfg, key)
+  est = memory.check(mcfg, init, cfg, mesh, args.seq_len,
+                     model=args.model_name_or_path,
+                     ignore=args.ignore_memory_estimate)
+  common.release_notes()
+  if main:
+    if args.overwrite_output_dir:
+      rundir.clear(args.output_dir)
     print(f"[zero1-train] {args.model_name_or_path}: architecture only, "
           f"weights start random (nothing is downloaded).", flush=True)
-  params = bert.init_params(mcfg, jax.random.key(args.seed))
+  params = init(jax.random.key(args.seed))
   batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
                             cfg.train_batch_size, seed=args.seed)
   engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
-  return engine, batches, distributed.is_main_process()
+  return engine, batches, main, resume, est
 
 
 def _resume(engine, args, ckpt_dir) -> None:
-  """--resume latest|latest-valid|STEP; a run that crashed before its first
-  save has no checkpoint yet and starts from scratch."""
-  if not args.resume:
-    return
-  from zero1_jax import checkpoint
+  """--resume latest|latest-valid|STEP (checked by _resume_step)."""
   tag = None if args.resume in ("latest", "latest-valid") else int(args.resume)
-  if tag is None and (not os.path.isdir(ckpt_dir) or checkpoint.Checkpointer(
-      ckpt_dir, create=False).latest_step() is None):
-    print(f"[zero1-train] --resume {args.resume}: no checkpoint in {ckpt_dir} "
-          f"yet; starting from scratch", flush=True)
-    return
   extra = engine.load_checkpoint(ckpt_dir, tag,
                                  fallback_to_valid=args.resume == "latest-valid")
   print(f"[zero1-train] resumed from {ckpt_dir} at step {engine.global_steps} "
@@ -122,11 +185,15 @@ def _resume(engine, args, ckpt_dir) -> None:
 
 def run(args: argparse.Namespace) -> dict | None:
   """Trains; returns the summary written to ``output_dir/summary.json``."""
-  engine, batches, main_process = _setup(args)
+  args.output_dir = rundir.check(args.output_dir,
+                                 overwrite=args.overwrite_output_dir,
+                                 resume=args.resume)
+  engine, batches, main_process, resume, est = _setup(args)
   cfg = engine.config
-  mem = common.log_memory(engine, cfg)
+  mem = common.log_memory(engine, cfg, est if main_process else None)
   ckpt_dir = os.path.join(args.output_dir, "checkpoints")
-  _resume(engine, args, ckpt_dir)
+  if resume:
+    _resume(engine, args, ckpt_dir)
   os.makedirs(args.output_dir, exist_ok=True)
   if main_process:
     with open(os.path.join(args.output_dir, "ds_config.json"), "w") as f:
@@ -135,23 +202,26 @@ def run(args: argparse.Namespace) -> dict | None:
   log_lines = args.no_progress or not common.has_progress_bar()
   bar = common.progress(args.max_steps, initial=engine.global_steps,
                         disable=log_lines or not main_process)
+  if engine.global_steps < args.max_steps:
+    _compiled_check(engine, batches, est, args, main_process)
   t0 = time.perf_counter()
   while engine.global_steps < args.max_steps:
     t = time.perf_counter()
     m = engine.train_batch(batches.batch_at(engine.global_steps))
-    row = {"step": engine.global_steps, "loss": float(m["loss"]),
-           "grad_norm": float(m["grad_norm"]), "skipped": bool(m["skipped"]),
+    row = {"step": engine.global_steps, "loss": common.finite(m["loss"]),
+           "grad_norm": common.finite(m["grad_norm"]),
+           "skipped": bool(m["skipped"]),
            "loss_scale": float(m["loss_scale"]),
            "samples_per_s": cfg.train_batch_size / (time.perf_counter() - t)}
     history.append(row)
     if main_process:
       common.append_metrics(args.output_dir, row)
     bar.update(1)
-    bar.set_postfix(loss=f"{row['loss']:.3f}",
+    bar.set_postfix(loss=f"{float('nan') if row['loss'] is None else row['loss']:.3f}",
                     samples_s=f"{row['samples_per_s']:.1f}")
     if main_process and log_lines and (
         row["step"] % args.logging_steps == 1 or row["step"] == args.max_steps):
-      print(f"step {row['step']:5d} loss {row['loss']:.4f} scale "
+      print(f"step {row['step']:5d} loss {float('nan') if row['loss'] is None else row['loss']:.4f} scale "
             f"{row['loss_scale']:.0f} {row['samples_per_s']:.1f} samples/s",
             flush=True)
     if args.save_steps and (engine.global_steps % args.save_steps == 0
@@ -166,14 +236,40 @@ def run(args: argparse.Namespace) -> dict | None:
   wall = time.perf_counter() - t0
   summary = common.write_outputs(args.output_dir, history, mem, engine, wall)
   print(f"[zero1-train] {engine.global_steps} steps ({engine.skipped_steps} "
-        f"skipped) in {wall:.1f}s; loss {summary['first_loss']:.3f} -> "
-        f"{summary['last_loss']:.3f}; outputs in {args.output_dir}", flush=True)
+        f"skipped) in {wall:.1f}s; {common.loss_text(summary)}; outputs in "
+        f"{args.output_dir}", flush=True)
   return summary
+
+
+def _compiled_check(engine, batches, est, args, main_process) -> None:
+  """Compiles the step ahead of its first call and reads its
+  ``memory_analysis``: what it will allocate beyond its arguments must fit
+  in what the devices still have."""
+  from zero1_jax import inspect
+  m = engine.step_memory(batches.batch_at(engine.global_steps))
+  extra = m["peak"] - m["argument"]
+  if main_process:
+    print(f"[zero1-train] compiled step: {common.gib(m['peak'])} per device "
+          f"at peak (estimate {common.gib(est[0].per_device)})", flush=True)
+  cap, source = inspect.capacity(list(engine.mesh.devices.flat))
+  if extra > cap and not args.ignore_memory_estimate:
+    raise common.UsageError(
+        f"{args.model_name_or_path} will not fit: the compiled step needs "
+        f"{common.gib(extra)} per device beyond its inputs, but each has "
+        f"{common.gib(cap)} left ({source}). Use a smaller "
+        f"--per_device_train_batch_size, fewer --num_devices, bf16, or "
+        f"--ignore_memory_estimate")
 
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  try:
+    rundir.check(args.output_dir, overwrite=args.overwrite_output_dir,
+                 resume=args.resume)
+  except common.UsageError as e:
+    print(f"zero1-train: error: {e}", file=sys.stderr)
+    return 2
   if (args.num_processes or 1) > 1 and args.process_id is None \
       and args.coordinator_address is None and not args.distributed_auto:
     from zero1_jax.cli import launch

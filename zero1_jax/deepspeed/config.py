@@ -116,6 +116,7 @@ def _unknown(key: str, section: str, known) -> ConfigError:
 
 
 _NOTED: set[str] = set()   # info lines already logged in this process
+_PENDING: list[str] = []   # notes of the config being built: logged once valid
 
 
 def _note(path: str, value) -> None:
@@ -124,8 +125,7 @@ def _note(path: str, value) -> None:
                          else _same(value, default)):
     key = f"{path}={value!r}"
     if key not in _NOTED:     # once per process, not once per re-validation
-      _NOTED.add(key)
-      logger.info("%s has no effect: %s", key, reason)
+      _PENDING.append(f"{key} has no effect: {reason}")
   else:
     warnings.warn(f"{path}={value!r} is recognised but not honoured by "
                   f"zero1_jax: {reason}", UserWarning, stacklevel=4)
@@ -249,6 +249,7 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
     raise ConfigError("a DeepSpeed config must be a JSON object, got "
                       f"{type(raw).__name__}")
   raw = copy.deepcopy(dict(raw))
+  _PENDING.clear()
   removed = keys.removed_key_error(raw)   # DeepSpeed checks these first
   if removed:
     raise ConfigError(removed)
@@ -300,6 +301,10 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
                       "the key is absent: set \"gradient_clipping\": 0)")
   optim.check(cfg.optimizer, cfg.scheduler, zero_stage=cfg.zero.stage,
               allow_untested=cfg.zero_allow_untested_optimizer)
+  for note in _PENDING:       # only a valid config's notes, after its errors
+    _NOTED.add(note.split(" has no effect")[0])
+    logger.info("%s", note)
+  _PENDING.clear()
   return cfg
 
 

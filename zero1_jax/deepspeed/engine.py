@@ -195,6 +195,17 @@ class Engine:
     for c in self._ckpts.values():
       c.wait()
 
+  def step_memory(self, batch: Any) -> dict[str, int]:
+    """Per-device bytes of the compiled step for ``batch``
+    (:func:`zero1_jax.inspect.memory`: argument, output, alias, temp, peak).
+
+    Compiles the step ahead of time; the next :meth:`train_batch` with a
+    batch of the same shapes reuses that executable.
+    """
+    if jax.process_count() > 1:
+      batch = distributed.global_batch(batch, self.mesh, self.axis_name)
+    return inspect.memory(self._step, self.params, self.opt_state, batch)
+
   @property
   def loss_scale(self) -> float:
     return float(self.opt_state.loss_scale.scale)

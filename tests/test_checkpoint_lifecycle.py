@@ -1,0 +1,142 @@
+"""Issue 11, case 1: relative paths work everywhere; a failed save is never
+silent (next call, wait/close, or the exit status); pending saves finish
+before a normal interpreter exit."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zero1_jax as z1
+from zero1_jax.checkpoint import reshard
+from helpers import mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+
+SETUP = """
+import jax, jax.numpy as jnp, numpy as np, optax, zero1_jax as z1
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+params, opt_state = z1.init(tx, {"w": jnp.zeros((5, 3)), "b": jnp.zeros(3)}, mesh)
+"""
+
+
+def script(tmp_path, body: str):
+  """Runs SETUP + body as a user's script, from tmp_path (relative paths)."""
+  path = tmp_path / "user.py"
+  path.write_text(SETUP + textwrap.dedent(body))
+  return subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=ENV,
+                        capture_output=True, text=True, timeout=180)
+
+
+def small():
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  p, s = z1.init(tx, {"w": jnp.zeros((5, 3)), "b": jnp.zeros(3)}, mesh(2))
+  return tx, p, s
+
+
+def test_relative_paths_everywhere(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  tx, p, s = small()
+  ck = z1.checkpoint.Checkpointer("ckpt")
+  ck.save(1, p, s)
+  monkeypatch.chdir("/")            # resolved once, when the path came in
+  ck.wait()
+  assert ck.all_steps() == [1] and (tmp_path / "ckpt" / "1").is_dir()
+  monkeypatch.chdir(tmp_path)
+  z1.checkpoint.Checkpointer("ckpt").restore(None, tx, p, mesh(2))
+  assert z1.checkpoint.export_params("ckpt", "fp32") == 1
+  assert set(z1.checkpoint.load_params("fp32")) == {"w", "b"}
+
+
+def test_export_cli_with_relative_paths(tmp_path, monkeypatch):
+  from zero1_jax.cli import export
+  monkeypatch.chdir(tmp_path)
+  _, p, s = small()
+  with z1.checkpoint.Checkpointer("ck/checkpoints") as ck:
+    ck.save(3, p, s)
+  assert export.main(["--checkpoint_dir", "./ck/checkpoints",
+                      "--output_dir", "out"]) == 0
+  assert (tmp_path / "out" / "_METADATA").exists()
+
+
+def test_no_wait_still_commits_at_exit(tmp_path):
+  """The README's earlier code: async save, no wait(), relative path."""
+  proc = script(tmp_path, """
+      ckpt = z1.checkpoint.Checkpointer("ckpt", max_to_keep=3)
+      ckpt.save(50, params, opt_state, extra={"data_step": 50})
+  """)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "cannot schedule new futures" not in proc.stderr
+  assert z1.checkpoint.Checkpointer(tmp_path / "ckpt").all_steps() == [50]
+  assert not list((tmp_path / "ckpt").glob("*tmp*"))
+
+
+def inject_background_failure(monkeypatch):
+  """The 'extra' JSON item fails while orbax writes it in its thread."""
+  class Fails(dict):
+    def items(self):
+      raise OSError("No space left on device (injected)")
+  real = reshard.jsonable
+  monkeypatch.setattr(reshard, "jsonable", lambda x, what: Fails(real(x, what))
+                      if what == "extra" else real(x, what))
+  return lambda: monkeypatch.setattr(reshard, "jsonable", real)
+
+
+@pytest.mark.parametrize("surfaces_at", ["wait", "next_save", "with_block"])
+def test_background_save_failure_is_raised(tmp_path, monkeypatch, surfaces_at):
+  _, p, s = small()
+  ck = z1.checkpoint.Checkpointer(tmp_path)
+  undo = inject_background_failure(monkeypatch)
+  with pytest.raises(z1.checkpoint.CheckpointSaveError,
+                     match="saving step 2 .* failed: No space left"):
+    if surfaces_at == "with_block":
+      with z1.checkpoint.Checkpointer(tmp_path) as ck:
+        ck.save(2, p, s, extra={"a": 1})
+    else:
+      ck.save(2, p, s, extra={"a": 1})      # returns: the write is async
+      undo()
+      ck.wait() if surfaces_at == "wait" else ck.save(3, p, s)
+  undo()
+  assert 2 not in ck.all_steps()
+  if surfaces_at == "with_block":           # closed by the block: a new one
+    ck = z1.checkpoint.Checkpointer(tmp_path)
+  ck.save(4, p, s)                          # the Checkpointer still works
+  ck.wait()
+  assert 4 in ck.all_steps()
+
+
+def test_foreground_save_failure_is_raised(tmp_path, monkeypatch):
+  _, p, s = small()
+  ck = z1.checkpoint.Checkpointer(tmp_path, async_save=False)
+  inject_background_failure(monkeypatch)
+  with pytest.raises(z1.checkpoint.CheckpointSaveError, match="step 7"):
+    ck.save(7, p, s, extra={"a": 1})
+
+
+def test_failure_pending_at_exit_is_reported_with_status_1(tmp_path):
+  proc = script(tmp_path, """
+      from zero1_jax.checkpoint import reshard
+      class Fails(dict):
+          def items(self):
+              raise OSError("No space left on device (injected)")
+      real = reshard.jsonable
+      reshard.jsonable = lambda x, w: Fails(real(x, w)) if w == "extra" else real(x, w)
+      ckpt = z1.checkpoint.Checkpointer("ckpt")
+      ckpt.save(5, params, opt_state, extra={"a": 1})
+  """)
+  assert proc.returncode == 1
+  assert ("zero1 checkpoint: error at exit: zero1 checkpoint: saving step 5"
+          in proc.stderr)
+
+
+def test_directory_that_is_a_file(tmp_path):
+  f = tmp_path / "f"
+  f.write_text("x")
+  with pytest.raises(z1.checkpoint.CheckpointError, match="is a file"):
+    z1.checkpoint.Checkpointer(f)

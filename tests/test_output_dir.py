@@ -1,0 +1,99 @@
+"""Issue 11, cases 2, 3 and 5: one run per --output_dir, errors as one line
+(exit 2), metrics in order on resume, no NaN in summary.json."""
+
+import json
+
+import pytest
+
+from zero1_jax.cli import train
+
+CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 1,
+          "overlap_comm": True},
+          "fp16": {"enabled": True, "initial_scale_power": 8},
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+
+
+def run(tmp_path, out, *extra, config=CONFIG):
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps(config))
+  return train.main(["--deepspeed", str(path), "--num_devices", "4",
+                     "--model_name_or_path", "bert-tiny", "--seq_len", "16",
+                     "--no_progress", "--output_dir", str(out), *extra])
+
+
+def steps(out):
+  return [json.loads(l)["step"] for l in open(out / "metrics.jsonl")]
+
+
+def one_line_error(capsys, *needles):
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+  for n in needles:
+    assert n in err, err
+  return err
+
+
+def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
+  out = tmp_path / "out"
+  assert run(tmp_path, out, "--max_steps", "3", "--save_steps", "2") == 0
+  first = (out / "metrics.jsonl").read_text()
+  capsys.readouterr()
+  # same command again: refused, nothing touched
+  assert run(tmp_path, out, "--max_steps", "3", "--save_steps", "2") == 2
+  one_line_error(capsys, "is not empty", "--resume latest",
+                 "--overwrite_output_dir")
+  assert (out / "metrics.jsonl").read_text() == first
+  # --resume: continues from the last checkpoint (3), metrics in order
+  assert run(tmp_path, out, "--max_steps", "5", "--save_steps", "2",
+             "--resume", "latest") == 0
+  assert "at step 3" in capsys.readouterr().out
+  assert steps(out) == [1, 2, 3, 4, 5]
+  assert json.load(open(out / "summary.json"))["steps"] == 5
+  # --overwrite_output_dir: a new run, none of the old one's files left
+  assert run(tmp_path, out, "--max_steps", "2", "--save_steps", "2",
+             "--overwrite_output_dir") == 0
+  assert steps(out) == [1, 2]
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]
+  assert json.load(open(out / "summary.json"))["steps"] == 2
+
+
+def test_output_dir_that_is_a_file(tmp_path, capsys):
+  f = tmp_path / "out"
+  f.write_text("not a directory")
+  assert run(tmp_path, f, "--max_steps", "1") == 2
+  one_line_error(capsys, "is a file")
+
+
+def test_resume_without_any_checkpoint_is_an_error(tmp_path, capsys):
+  """A typo in --output_dir must not silently restart training."""
+  assert run(tmp_path, tmp_path / "typo", "--max_steps", "1",
+             "--resume", "latest") == 2
+  one_line_error(capsys, "no checkpoint in", "--output_dir")
+  assert not (tmp_path / "typo" / "metrics.jsonl").exists()
+
+
+def test_batch_error_shows_the_numbers_the_flags_gave(tmp_path, capsys):
+  cfg = {**CONFIG, "train_batch_size": 30}
+  assert run(tmp_path, tmp_path / "o", "--per_device_train_batch_size", "2",
+             config=cfg) == 2
+  err = one_line_error(capsys, "30 != 2 * 3 * 4")   # not the JSON's 7 * 1 * 4
+  assert "has no effect" not in err     # no notes before an error
+
+
+def test_all_steps_skipped_gives_valid_json(tmp_path, capsys):
+  cfg = {**CONFIG, "fp16": {"enabled": True, "initial_scale_power": 60}}
+  out = tmp_path / "o"
+  assert run(tmp_path, out, "--max_steps", "2", config=cfg) == 0
+  text = capsys.readouterr().out
+  assert "nan" not in text and "all 2 steps were skipped" in text
+  summary = json.loads((out / "summary.json").read_text(),
+                       parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+  assert summary["first_loss"] is None and summary["skipped_steps"] == 2
+  for line in open(out / "metrics.jsonl"):
+    json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+
+
+def test_memory_lines_say_gib(tmp_path, capsys):
+  assert run(tmp_path, tmp_path / "o", "--max_steps", "1") == 0
+  out = capsys.readouterr().out
+  assert "GiB per GPU (1/4)" in out and " GB " not in out

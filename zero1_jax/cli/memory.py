@@ -1,0 +1,81 @@
+"""Will the run fit? zero1-train's memory check, before anything big exists.
+
+The estimate is :func:`zero1_jax.inspect.estimate` with BERT's activations:
+``ACT_ELEMS x itemsize`` bytes per token, hidden unit and layer. The constant
+comes from the compiled step's ``memory_analysis()`` (temp bytes, one device,
+fp16, batch 8 x 128 and 4 x 64): bert-tiny 190-224, bert-mini 185-193,
+bert-small 203 bytes at itemsize 2, so 100 elements (200 bytes) at fp16, the
+estimate landing 5-15% above the compiled peak. ``ZERO1_DEVICE_MEMORY_BYTES``
+(see :func:`zero1_jax.inspect.capacity`) replaces the measured capacity, e.g.
+to try the refusal on a small model.
+
+Example:
+  >>> from zero1_jax.models import bert
+  >>> m = bert.make_config("bert-tiny", vocab_size=260, max_len=128)  # fp32
+  >>> activation_bytes(m, micro_batch=8, seq_len=128) / 2**20
+  100.0
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zero1_jax import inspect
+from zero1_jax.cli.common import UsageError, gib
+
+ACT_ELEMS = 100
+
+
+def activation_bytes(mcfg, micro_batch: int, seq_len: int) -> int:
+  """What the backward pass keeps of one micro-batch of BERT-MLM."""
+  item = jnp.dtype(mcfg.dtype).itemsize
+  return (ACT_ELEMS * item * micro_batch * seq_len * mcfg.hidden_size
+          * mcfg.num_layers)
+
+
+def _estimate(num_params: int, mcfg, n: int, mb: int, seq_len: int):
+  return inspect.estimate(num_params, n,
+                          param_itemsize=jnp.dtype(mcfg.dtype).itemsize,
+                          activation_bytes=activation_bytes(mcfg, mb, seq_len))
+
+
+def check(mcfg, init_fn, cfg, mesh, seq_len: int, *, model: str,
+          ignore: bool = False) -> tuple[inspect.MemoryEstimate, int, str]:
+  """Estimates per-device bytes from shapes alone (``jax.eval_shape`` of
+  ``init_fn``: nothing is allocated) and raises :class:`UsageError` with
+  what to change when it exceeds :func:`zero1_jax.inspect.capacity`.
+
+  Returns ``(estimate, capacity bytes per device, where capacity comes from)``.
+  """
+  shapes = jax.eval_shape(init_fn, jax.random.key(0))
+  num_params = sum(x.size for x in jax.tree.leaves(shapes))
+  devices = list(mesh.devices.flat)
+  n, mb = len(devices), cfg.train_micro_batch_size_per_gpu
+  est = _estimate(num_params, mcfg, n, mb, seq_len)
+  cap, source = inspect.capacity(devices)
+  if est.per_device <= cap or ignore:
+    return est, cap, source
+  cpu = devices[0].platform == "cpu"
+  fixes = []
+  smaller = next((b for b in range(mb - 1, 0, -1)
+                  if _estimate(num_params, mcfg, n, b, seq_len).per_device <= cap),
+                 None)
+  if smaller:
+    fixes.append(f"--per_device_train_batch_size {smaller}")
+  if cpu and n > 1:   # fewer simulated devices share the same RAM
+    host = cap * n
+    fewer = next((k for k in range(n - 1, 0, -1)
+                  if _estimate(num_params, mcfg, k, mb, seq_len).per_device * k
+                  <= host), None)
+    if fewer:
+      fixes.append(f"--num_devices {fewer}")
+  if jnp.dtype(mcfg.dtype).itemsize > 2:
+    fixes.append("bf16 or fp16 in the config")
+  fixes += ["a shorter --seq_len", "a smaller model"]
+  raise UsageError(
+      f"{model} will not fit: the step needs about {gib(est.per_device)} per "
+      f"device (params {gib(est.params)}, gradients {gib(est.grads)}, "
+      f"optimizer state {gib(est.state)}, activations {gib(est.activations)}) "
+      f"on {n} device(s), but each has {gib(cap)} ({source}). Try "
+      f"{', or '.join(fixes)} (or --ignore_memory_estimate to run anyway).")
