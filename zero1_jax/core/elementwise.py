@@ -7,16 +7,13 @@ and both must pass (:func:`check_elementwise`):
 
 1. **The jaxpr** of ``inner.update(grads, state, params)`` traced on the shard
    shapes (:func:`jaxpr_reason`). Values computed from parameter-shaped data
-   (gradients, parameters, sharded state) are *tainted*. Allowed on tainted
-   values: elementwise primitives whose tainted operands have the output's
-   shape, and identities; their other operands must be broadcasts of values
-   that do not depend on where an element sits. Refused: a reduction,
-   contraction, sort, cumulative op, reshape/slice/broadcast of tainted data,
-   an unknown primitive, a loop or branch steered by tainted data; a value
-   whose content depends on its position (``iota``, random bits drawn with a
-   non-scalar shape, a constant array) meeting tainted data or reaching the
-   output; and a tainted value stored in a replicated slot (a scalar state
-   leaf computed from the parameters: whole-tree statistics).
+   (gradients, parameters, sharded state) are *tainted*, and the taint
+   analysis of :mod:`.jaxpr_check` refuses any step that mixes elements (a
+   reduction, contraction, sort, reshape/slice of tainted data, a loop or
+   branch steered by it, position-dependent values meeting it). Here, also
+   refused: a position-dependent value reaching the output, and a tainted
+   value stored in a replicated slot (a scalar state leaf computed from the
+   parameters: whole-tree statistics).
 2. **A numeric probe** (:func:`probe_reason`): two updates on small leaves
    with the real shard dims, whole and as N zero-padded shards, must agree on
    the updates and on *every* state leaf, scalars and PRNG keys included. It
@@ -44,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zero1_jax.core import jaxpr_check as jc
 from zero1_jax.core import layout as lay
 
 REFUSAL = (
@@ -53,35 +51,6 @@ REFUSAL = (
     "an elementwise one (adam, adamw, lion, sgd, rmsprop, adagrad, ...); for "
     "gradient clipping pass zero1(..., max_grad_norm=...) instead of "
     "optax.clip_by_global_norm.")
-
-_ELEMENTWISE = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt
-ceil clamp clz complex conj convert_element_type cos cosh digamma div eq erf
-erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag integer_pow
-is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
-polygamma population_count pow real reduce_precision regularized_incomplete_beta
-rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
-sign sin sinh sqrt square sub tan tanh xor zeta
-""".split())
-# One output per operand, equal to it.
-_IDENTITY = frozenset("copy copy_p optimization_barrier sharding_constraint "
-                      "device_put mesh_cast reshard pvary pcast".split())
-# Produce values that depend on the position of an element (non-scalar).
-_POSITIONAL = frozenset("iota random_bits rng_uniform rng_bit_generator "
-                        "threefry2x32".split())
-_KINDS = (
-    ("reduce_ argmax argmin", "reduces across elements"),
-    ("dot_general conv_general_dilated", "contracts across elements"),
-    ("sort cumsum cumprod cummax cummin cumlogsumexp top_k",
-     "sorts or accumulates along an axis"),
-    ("broadcast_in_dim reshape squeeze expand_dims transpose slice "
-     "dynamic_slice dynamic_update_slice gather scatter concatenate pad rev "
-     "split", "moves elements between positions"),
-)
-
-
-class _NotElementwise(Exception):
-  pass
 
 
 class Refused(ValueError):
@@ -96,134 +65,22 @@ def _brief(e: Exception) -> str:
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
-def _kind(prim: str) -> str:
-  for names, what in _KINDS:
-    if any(prim == n or (n.endswith("_") and prim.startswith(n))
-           for n in names.split()):
-      return what
-  return "not known to be elementwise"
-
-
-class _Taint:
-  """Per value: ``dep`` (computed from parameter-shaped data) and ``pos``
-  (why its content depends on an element's position, or None)."""
-  __slots__ = ("dep", "pos")
-
-  def __init__(self, dep=False, pos=None):
-    self.dep, self.pos = dep, pos
-
-  def __or__(self, o):
-    return _Taint(self.dep or o.dep, self.pos or o.pos)
-
-  def __eq__(self, o):
-    return (self.dep, bool(self.pos)) == (o.dep, bool(o.pos))
-
-
-_CLEAN = _Taint()
-
-
-def _size(aval) -> int:
-  return int(np.prod(getattr(aval, "shape", ()) or (), dtype=np.int64))
-
-
-def _sub_jaxprs(eqn):
-  """(jaxpr, consts) of call-like sub-jaxprs taking exactly eqn's operands."""
-  for v in eqn.params.values():
-    j = getattr(v, "jaxpr", v)
-    if (hasattr(j, "eqns") and len(j.invars) == len(eqn.invars)
-        and len(j.outvars) == len(eqn.outvars)):
-      return j, getattr(v, "consts", ())
-  return None
-
-
-def _open(cj):
-  return (cj.jaxpr, cj.consts) if hasattr(cj, "consts") else (cj, ())
-
-
-def _run(jaxpr, consts, ins: list) -> list:
-  """Taints of ``jaxpr``'s outputs given its inputs' taints."""
-  env: dict = {}
-  for v, c in zip(jaxpr.constvars, consts):
-    pos = (f"a constant array of shape {np.shape(c)}"
-           if np.size(c) > 1 and np.ptp(np.asarray(c).ravel()) != 0 else None)
-    env[v] = _Taint(False, pos)
-  for v, t in zip(jaxpr.invars, ins):
-    env[v] = t
-  read = lambda v: env.get(v, _CLEAN) if not hasattr(v, "val") else _CLEAN
-  for eqn in jaxpr.eqns:
-    outs = _eqn(eqn, [read(v) for v in eqn.invars])
-    for v, t in zip(eqn.outvars, outs):
-      env[v] = t
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _fixpoint(body, carry: list) -> list:
-  for _ in range(len(carry) + 2):
-    new = [a | b for a, b in zip(carry, body(carry))]
-    if new == carry:
-      return new
-    carry = new
-  return carry
-
-
-def _eqn(eqn, ins: list) -> list:
-  prim = eqn.primitive.name
-  p = eqn.params
-  avals = [v.aval for v in eqn.outvars]
-  if prim == "cond":
-    if ins[0].dep or ins[0].pos:
-      raise _NotElementwise("a branch chosen by parameter-shaped data")
-    outs = [_CLEAN] * len(avals)
-    for br in p["branches"]:
-      outs = [a | b for a, b in zip(outs, _run(*_open(br), ins[1:]))]
-    return outs
-  if prim == "while":
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cc, bc, carry = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
-    carry = _fixpoint(lambda c: _run(*_open(p["body_jaxpr"]), bc + c), carry)
-    (pred,) = _run(*_open(p["cond_jaxpr"]), cc + carry)
-    if pred.dep or pred.pos:
-      raise _NotElementwise("a loop whose length depends on parameter-shaped "
-                            "data")
-    return carry
-  if prim == "scan":
-    nc, nk = p["num_consts"], p["num_carry"]
-    consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
-    if any(t.dep or t.pos for t in xs):
-      raise _NotElementwise("a scan over the rows of parameter-shaped data")
-    body = lambda c: _run(*_open(p["jaxpr"]), consts + c + xs)[:nk]
-    carry = _fixpoint(body, carry)
-    ys = _run(*_open(p["jaxpr"]), consts + carry + xs)[nk:]
-    if any(t.dep for t in ys):
-      raise _NotElementwise("a scan stacking parameter-shaped data")
-    return carry + ys
-  sub = _sub_jaxprs(eqn)
-  if sub is not None:
-    return _run(sub[0], sub[1], ins)
-  dep = any(t.dep for t in ins)
-  pos = next((t.pos for t in ins if t.pos), None)
-  if prim in _POSITIONAL and any(_size(a) > 1 for a in avals):
-    what = "random numbers" if prim != "iota" else "an iota"
-    pos = f"{what} drawn with a shape of the shard ({prim})"
-  if dep and pos:
-    raise _NotElementwise(f"{pos} combined with parameter-shaped data")
-  if not dep:
-    return [_Taint(False, pos)] * len(avals)
-  if prim in _IDENTITY:
-    return list(ins[:len(avals)])
-  if prim in _ELEMENTWISE:
-    for v, t in zip(eqn.invars, ins):
-      if t.dep and tuple(v.aval.shape) != tuple(avals[0].shape):
-        raise _NotElementwise(f"{prim} broadcasts parameter-shaped data")
-    return [_Taint(True, None)] * len(avals)
-  raise _NotElementwise(f"{prim} on parameter-shaped data ({_kind(prim)})")
-
-
 def shard_inputs(layout: lay.Layout, dtype: Any) -> Any:
   """The param-structured tree of ShapeDtypeStructs the inner optimizer sees
   on one device (None at static leaves)."""
   return layout.inner_tree([jax.ShapeDtypeStruct(s.shard_shape, dtype)
                             for s in layout.leaves])
+
+
+def _handed(layout: lay.Layout) -> str:
+  """What zero1 hands the inner optimizer, in words (for init failures)."""
+  paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(
+      layout.treedef.unflatten(range(len(layout.leaves))))[0]]
+  static = [p for p, s in zip(paths, layout.leaves) if s.kind == lay.STATIC]
+  if not static:
+    return "the parameter shards zero1 hands it"
+  return ("the parameter tree zero1 hands it (None at the integer and "
+          f"zero-size leaves {', '.join(static)}, which it never updates)")
 
 
 def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
@@ -248,7 +105,7 @@ def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
   try:
     a, b = (jax.eval_shape(inner.init, shards(g)) for g in (False, True))
   except Exception as e:  # noqa: BLE001 - an init that fails is refused
-    raise Refused(f"its init fails on the shards: {_brief(e)}") from e
+    raise Refused(f"its init fails on {_handed(layout)}: {_brief(e)}") from e
   a_leaves, a_def = jax.tree.flatten_with_path(a)
   b_leaves, b_def = jax.tree.flatten(b)
   if a_def != b_def:
@@ -287,15 +144,15 @@ def jaxpr_reason(inner: optax.GradientTransformation, layout: lay.Layout,
             f"shards: {_brief(e)}")
   sharded = [s.kind == lay.SHARD for s in layout.leaves
              if s.kind != lay.STATIC]
-  ins = ([_Taint(t) for t in sharded] + [_Taint(d is not None) for d in dims]
-         + [_Taint(t) for t in sharded])
+  ins = ([jc.Taint(t) for t in sharded] + [jc.Taint(d is not None) for d in dims]
+         + [jc.Taint(t) for t in sharded])
   u_def = jax.tree.structure(out_shape[0])
   if (u_def != jax.tree.structure(p)
       or jax.tree.structure(out_shape[1]) != jax.tree.structure(state)):
     return "its updates or new state have another structure than its inputs"
   try:
-    outs = _run(*_open(closed), ins)
-  except _NotElementwise as e:
+    outs = jc.taints(closed, ins)
+  except jc.NotElementwise as e:
     return str(e)
   paths = ([f"updates{jax.tree_util.keystr(k)}"
             for k, _ in jax.tree.flatten_with_path(out_shape[0])[0]]
@@ -414,9 +271,10 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
     >>> import jax.numpy as jnp, optax
     >>> check_elementwise(optax.adamw(1e-3), {"w": jnp.zeros((5, 3))}, 4)
     >>> check_elementwise(optax.lamb(1e-3), {"w": jnp.zeros((5, 3))}, 4)
+    ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: zero1: the inner optimizer is not elementwise (...
+    zero1_jax.core.elementwise.Refused: zero1: the inner optimizer is not elementwise (...
   """
   inner = getattr(inner, "inner", inner)   # a Zero1Transformation: its inner
   layout = lay.plan(params, max(int(num_shards), 2))
