@@ -4,6 +4,7 @@ meshes, and the two references (unsharded optax, plain data parallel)."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -130,20 +131,82 @@ def deepspeed_clip(c: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
 
-def assert_close(got, want, rtol, what=""):
-  """Per leaf: max |got - want| <= rtol * max|want| (floor 1e-3)."""
-  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
-    w = functools.reduce(lambda t, k: t[k.key], path, want)
+def assert_same_structure(got, want, what=""):
+  """The two trees have the same structure (a missing or extra leaf fails)."""
+  gs, ws = jax.tree.structure(got), jax.tree.structure(want)
+  assert gs == ws, f"{what}tree structures differ:\n  got  {gs}\n  want {ws}"
+
+
+def _pairs(got, want, what):
+  assert_same_structure(got, want, what)
+  return zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want))
+
+
+def rel_err(got, want, what=""):
+  """max over leaves of max|got - want| / max|want| (floor 1e-3): the number
+  assert_close bounds. Structures must match."""
+  out = 0.0
+  for (_, g), w in _pairs(got, want, what):
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert g.shape == w.shape, (what, g.shape, w.shape)
     scale = max(np.max(np.abs(w), initial=0.0), 1e-3)
-    err = np.max(np.abs(g - w), initial=0.0)
+    out = max(out, np.max(np.abs(g - w), initial=0.0) / scale)
+  return out
+
+
+def _log_measured(what, rtol, err):
+  """ZERO1_TOL_LOG=<file>: append each bound and the error it saw (how the
+  measured numbers beside the tolerances in the tests were taken)."""
+  path = os.environ.get("ZERO1_TOL_LOG")
+  if path:
+    with open(path, "a") as f:
+      f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t"
+              f"{what}\t{rtol:g}\t{err:.3g}\n")
+
+
+def assert_close(got, want, rtol, what=""):
+  """Same structure, and per leaf: max |got - want| <= rtol * max|want|
+  (floor 1e-3)."""
+  rows = []
+  for (path, g), w in _pairs(got, want, what):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    where = f"{what}{jax.tree_util.keystr(path)}"
+    assert g.shape == w.shape, f"{where}: shape {g.shape} != {w.shape}"
+    scale = max(np.max(np.abs(w), initial=0.0), 1e-3)
+    rows.append((where, np.max(np.abs(g - w), initial=0.0), scale))
+  _log_measured(what, rtol, max((e / s for _, e, s in rows), default=0.0))
+  for where, err, scale in rows:
     assert err <= rtol * scale, (
-        f"{what}{jax.tree_util.keystr(path)}: max error {err:.3g} > "
-        f"{rtol:g} x {scale:.3g}")
+        f"{where}: max error {err:.3g} > {rtol:g} x {scale:.3g}")
 
 
 def assert_equal(got, want, what=""):
-  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
-    w = functools.reduce(lambda t, k: t[k.key], path, want)
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w),
-                                  err_msg=f"{what}{jax.tree_util.keystr(path)}")
+  """Same structure, and every leaf bitwise equal (shape and values)."""
+  for (path, g), w in _pairs(got, want, what):
+    g, w = np.asarray(g), np.asarray(w)
+    where = f"{what}{jax.tree_util.keystr(path)}"
+    assert g.shape == w.shape, f"{where}: shape {g.shape} != {w.shape}"
+    np.testing.assert_array_equal(g, w, err_msg=where)
+
+
+def ulps(got, want, what=""):
+  """Largest per-element distance between two low-precision trees in units
+  in the last place of ``want``'s dtype (ulp taken at the larger magnitude
+  of the two elements). Structures must match."""
+  worst = 0.0
+  for (path, g), w in _pairs(got, want, what):
+    nmant = jnp.finfo(w.dtype).nmant
+    tiny = float(jnp.finfo(w.dtype).smallest_normal)
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert g.shape == w.shape, f"{what}{jax.tree_util.keystr(path)}: shape"
+    mag = np.maximum(np.maximum(np.abs(g), np.abs(w)), tiny)
+    ulp = np.exp2(np.floor(np.log2(mag)) - nmant)
+    worst = max(worst, float(np.max(np.abs(g - w) / ulp, initial=0.0)))
+  return worst
+
+
+def assert_ulps(got, want, max_ulps, what=""):
+  """Every element of ``got`` within ``max_ulps`` ulps of ``want``."""
+  err = ulps(got, want, what)
+  _log_measured(what + "(ulps)", max_ulps, err)
+  assert err <= max_ulps, f"{what}{err:g} ulps > {max_ulps:g}"
