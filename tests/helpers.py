@@ -58,6 +58,25 @@ def loss_fn(params, batch):
   return jnp.mean(jnp.square(err))
 
 
+def exact_loss(params, b):
+  """Linear in params: d/dp = batch mean of b['c'] (dyadic: exact sums)."""
+  total = jnp.float32(0)
+  for i, leaf in enumerate(jax.tree.leaves(float_part(params))):
+    coef = b["c"].mean(0)[i * 8: i * 8 + 8]
+    total = total + jnp.sum(leaf * jnp.resize(coef, leaf.shape))
+  return total
+
+
+def exact_batches(steps: int, size: int = 16, seed: int = 0):
+  """Batches for exact_loss: multiples of 1/8 in [-1, 1). Every mean over a
+  power-of-two number of rows, scaled by a power of two up to 2^10, is exact
+  in fp16, so gradients are bitwise equal in any summation order (and loss
+  scaling divides out exactly)."""
+  r = np.random.default_rng(seed)
+  return [{"c": (r.integers(-8, 8, size=(size, 64)) / 8).astype(np.float32)}
+          for _ in range(steps)]
+
+
 def batch(size: int, seed: int = 1, dtype=jnp.float32):
   r = np.random.default_rng(seed)
   return {"x": np.asarray(r.normal(size=(size, IN)), dtype),
@@ -81,24 +100,38 @@ def optax_run(tx, params, batches, steps=None, loss=None):
   return p
 
 
-def master_run(tx, params, batches):
+def master_run(tx, params, batches, return_master=False, loss=None):
   """Unsharded optax on an fp32 master copy of low-precision params: the
-  forward uses the master cast to the param dtype (mixed precision)."""
+  forward uses the master cast to the param dtype (mixed precision). Returns
+  the params (the master cast), or with ``return_master`` the fp32 master."""
   dtypes = jax.tree.map(lambda x: x.dtype, float_part(params))
   m = jax.tree.map(lambda x: x.astype(jnp.float32), float_part(params))
   s = tx.init(m)
+  loss = loss or loss_fn
 
   @jax.jit
   def one(m, s, b):
     low = jax.tree.map(lambda x, d: x.astype(d), m, dtypes)
-    g = jax.grad(loss_fn)(low, b)
+    g = jax.grad(loss)(low, b)
     g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
     u, s = tx.update(g, s, m)
     return optax.apply_updates(m, u), s
 
   for b in batches:
     m, s = one(m, s, b)
+  if return_master:
+    return m
   return jax.tree.map(lambda x, d: x.astype(d), m, dtypes)
+
+
+def stored_master(params, state):
+  """zero1's fp32 master weights (numpy, float leaves): each stored master
+  leaf cut to its parameter's shape, the parameter itself where it is its
+  own master (fp32 params store none)."""
+  return jax.tree.map(
+      lambda p, m: np.asarray(p) if m is None
+      else np.asarray(m)[tuple(map(slice, p.shape))],
+      float_part(params), float_part(state.master))
 
 
 def ddp_run(tx, params, batches, n):

@@ -30,8 +30,8 @@ import pytest
 
 import zero1_jax as z1
 from helpers import (assert_close, assert_equal, assert_ulps, batch, ddp_run,
-                     float_part, loss_fn, master_run, mesh, odd_params,
-                     optax_run)
+                     exact_batches, exact_loss, float_part, loss_fn,
+                     master_run, mesh, odd_params, optax_run)
 
 NS = [1, 2, 4, 8]
 STEPS = 20
@@ -102,23 +102,12 @@ def test_all_reduce_path_matches_unsharded_optax_and_ddp_at_every_n(name, batche
     np.testing.assert_array_equal(got["step_id"], params["step_id"])
 
 
-def exact_loss(params, b):
-  """Linear in params: d/dp = batch mean of b['c'] (dyadic: exact sums)."""
-  total = jnp.float32(0)
-  for i, leaf in enumerate(jax.tree.leaves(float_part(params))):
-    coef = b["c"].mean(0)[i * 8: i * 8 + 8]
-    total = total + jnp.sum(leaf * jnp.resize(coef, leaf.shape))
-  return total
-
-
 @pytest.mark.parametrize("name,reduce", [
     ("adam", "reduce_scatter"), ("adamw_callable_mask", "reduce_scatter"),
     ("sgd_momentum", "reduce_scatter"), ("sgd_momentum", "all_reduce")])
 def test_bitwise_when_reduced_gradients_are_bitwise_equal(name, reduce):
   params = odd_params()
-  r = np.random.default_rng(0)
-  bs = [{"c": (r.integers(-8, 8, size=(16, 64)) / 8).astype(np.float32)}
-        for _ in range(10)]
+  bs = exact_batches(10)
   tx0 = OPTIMIZERS[name]()
   p0 = float_part(params)
   s0 = tx0.init(p0)
