@@ -28,3 +28,8 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) output
+
+.PHONY: mutate
+# Plant known bugs one at a time and show the tests catch each (experiments/mutate.py).
+mutate: venv
+	$(BIN)/python -m experiments.mutate

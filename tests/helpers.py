@@ -4,6 +4,7 @@ meshes, and the two references (unsharded optax, plain data parallel)."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,25 @@ def loss_fn(params, batch):
   return jnp.mean(jnp.square(err))
 
 
+def exact_loss(params, b):
+  """Linear in params: d/dp = batch mean of b['c'] (dyadic: exact sums)."""
+  total = jnp.float32(0)
+  for i, leaf in enumerate(jax.tree.leaves(float_part(params))):
+    coef = b["c"].mean(0)[i * 8: i * 8 + 8]
+    total = total + jnp.sum(leaf * jnp.resize(coef, leaf.shape))
+  return total
+
+
+def exact_batches(steps: int, size: int = 16, seed: int = 0):
+  """Batches for exact_loss: multiples of 1/8 in [-1, 1). Every mean over a
+  power-of-two number of rows, scaled by a power of two up to 2^10, is exact
+  in fp16, so gradients are bitwise equal in any summation order (and loss
+  scaling divides out exactly)."""
+  r = np.random.default_rng(seed)
+  return [{"c": (r.integers(-8, 8, size=(size, 64)) / 8).astype(np.float32)}
+          for _ in range(steps)]
+
+
 def batch(size: int, seed: int = 1, dtype=jnp.float32):
   r = np.random.default_rng(seed)
   return {"x": np.asarray(r.normal(size=(size, IN)), dtype),
@@ -80,24 +100,38 @@ def optax_run(tx, params, batches, steps=None, loss=None):
   return p
 
 
-def master_run(tx, params, batches):
+def master_run(tx, params, batches, return_master=False, loss=None):
   """Unsharded optax on an fp32 master copy of low-precision params: the
-  forward uses the master cast to the param dtype (mixed precision)."""
+  forward uses the master cast to the param dtype (mixed precision). Returns
+  the params (the master cast), or with ``return_master`` the fp32 master."""
   dtypes = jax.tree.map(lambda x: x.dtype, float_part(params))
   m = jax.tree.map(lambda x: x.astype(jnp.float32), float_part(params))
   s = tx.init(m)
+  loss = loss or loss_fn
 
   @jax.jit
   def one(m, s, b):
     low = jax.tree.map(lambda x, d: x.astype(d), m, dtypes)
-    g = jax.grad(loss_fn)(low, b)
+    g = jax.grad(loss)(low, b)
     g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
     u, s = tx.update(g, s, m)
     return optax.apply_updates(m, u), s
 
   for b in batches:
     m, s = one(m, s, b)
+  if return_master:
+    return m
   return jax.tree.map(lambda x, d: x.astype(d), m, dtypes)
+
+
+def stored_master(params, state):
+  """zero1's fp32 master weights (numpy, float leaves): each stored master
+  leaf cut to its parameter's shape, the parameter itself where it is its
+  own master (fp32 params store none)."""
+  return jax.tree.map(
+      lambda p, m: np.asarray(p) if m is None
+      else np.asarray(m)[tuple(map(slice, p.shape))],
+      float_part(params), float_part(state.master))
 
 
 def ddp_run(tx, params, batches, n):
@@ -130,20 +164,82 @@ def deepspeed_clip(c: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
 
-def assert_close(got, want, rtol, what=""):
-  """Per leaf: max |got - want| <= rtol * max|want| (floor 1e-3)."""
-  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
-    w = functools.reduce(lambda t, k: t[k.key], path, want)
+def assert_same_structure(got, want, what=""):
+  """The two trees have the same structure (a missing or extra leaf fails)."""
+  gs, ws = jax.tree.structure(got), jax.tree.structure(want)
+  assert gs == ws, f"{what}tree structures differ:\n  got  {gs}\n  want {ws}"
+
+
+def _pairs(got, want, what):
+  assert_same_structure(got, want, what)
+  return zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want))
+
+
+def rel_err(got, want, what=""):
+  """max over leaves of max|got - want| / max|want| (floor 1e-3): the number
+  assert_close bounds. Structures must match."""
+  out = 0.0
+  for (_, g), w in _pairs(got, want, what):
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert g.shape == w.shape, (what, g.shape, w.shape)
     scale = max(np.max(np.abs(w), initial=0.0), 1e-3)
-    err = np.max(np.abs(g - w), initial=0.0)
+    out = max(out, np.max(np.abs(g - w), initial=0.0) / scale)
+  return out
+
+
+def _log_measured(what, rtol, err):
+  """ZERO1_TOL_LOG=<file>: append each bound and the error it saw (how the
+  measured numbers beside the tolerances in the tests were taken)."""
+  path = os.environ.get("ZERO1_TOL_LOG")
+  if path:
+    with open(path, "a") as f:
+      f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t"
+              f"{what}\t{rtol:g}\t{err:.3g}\n")
+
+
+def assert_close(got, want, rtol, what=""):
+  """Same structure, and per leaf: max |got - want| <= rtol * max|want|
+  (floor 1e-3)."""
+  rows = []
+  for (path, g), w in _pairs(got, want, what):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    where = f"{what}{jax.tree_util.keystr(path)}"
+    assert g.shape == w.shape, f"{where}: shape {g.shape} != {w.shape}"
+    scale = max(np.max(np.abs(w), initial=0.0), 1e-3)
+    rows.append((where, np.max(np.abs(g - w), initial=0.0), scale))
+  _log_measured(what, rtol, max((e / s for _, e, s in rows), default=0.0))
+  for where, err, scale in rows:
     assert err <= rtol * scale, (
-        f"{what}{jax.tree_util.keystr(path)}: max error {err:.3g} > "
-        f"{rtol:g} x {scale:.3g}")
+        f"{where}: max error {err:.3g} > {rtol:g} x {scale:.3g}")
 
 
 def assert_equal(got, want, what=""):
-  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
-    w = functools.reduce(lambda t, k: t[k.key], path, want)
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w),
-                                  err_msg=f"{what}{jax.tree_util.keystr(path)}")
+  """Same structure, and every leaf bitwise equal (shape and values)."""
+  for (path, g), w in _pairs(got, want, what):
+    g, w = np.asarray(g), np.asarray(w)
+    where = f"{what}{jax.tree_util.keystr(path)}"
+    assert g.shape == w.shape, f"{where}: shape {g.shape} != {w.shape}"
+    np.testing.assert_array_equal(g, w, err_msg=where)
+
+
+def ulps(got, want, what=""):
+  """Largest per-element distance between two low-precision trees in units
+  in the last place of ``want``'s dtype (ulp taken at the larger magnitude
+  of the two elements). Structures must match."""
+  worst = 0.0
+  for (path, g), w in _pairs(got, want, what):
+    nmant = jnp.finfo(w.dtype).nmant
+    tiny = float(jnp.finfo(w.dtype).smallest_normal)
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert g.shape == w.shape, f"{what}{jax.tree_util.keystr(path)}: shape"
+    mag = np.maximum(np.maximum(np.abs(g), np.abs(w)), tiny)
+    ulp = np.exp2(np.floor(np.log2(mag)) - nmant)
+    worst = max(worst, float(np.max(np.abs(g - w) / ulp, initial=0.0)))
+  return worst
+
+
+def assert_ulps(got, want, max_ulps, what=""):
+  """Every element of ``got`` within ``max_ulps`` ulps of ``want``."""
+  err = ulps(got, want, what)
+  _log_measured(what + "(ulps)", max_ulps, err)
+  assert err <= max_ulps, f"{what}{err:g} ulps > {max_ulps:g}"

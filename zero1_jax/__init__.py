@@ -7,6 +7,8 @@ the DeepSpeed front door (:mod:`zero1_jax.deepspeed`) build on it.
 
 >>> import jax, optax, zero1_jax as z1
 >>> tx = z1.zero1(optax.adamw(1e-3, weight_decay=0.01), axis_name="data")
+>>> tx.config.axis_name, tx.config.reduce, tx.config.max_grad_norm
+('data', 'reduce_scatter', None)
 """
 
 from zero1_jax import checkpoint, deepspeed, distributed, flax, inspect

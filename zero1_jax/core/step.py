@@ -11,6 +11,10 @@ Example:
   >>> params, opt_state, metrics = step(params, opt_state, batch)
   >>> sorted(metrics)
   ['grad_norm', 'loss', 'loss_scale', 'skipped']
+  >>> float(metrics["loss"]), bool(metrics["skipped"])   # (3 - 0)^2
+  (9.0, False)
+  >>> [round(float(w), 4) for w in params["w"]]   # Adam's first step: -lr x sign(grad)
+  [0.99, 0.99, 0.99]
 """
 
 from __future__ import annotations

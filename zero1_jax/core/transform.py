@@ -230,7 +230,10 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
 
   Example:
     >>> import optax, zero1_jax as z1
-    >>> tx = z1.zero1(optax.adamw(1e-3), axis_name="data")
+    >>> tx = z1.zero1(optax.adamw(1e-3), axis_name="data", reduce="all_reduce",
+    ...               max_grad_norm=1.0)
+    >>> tx.config.reduce, tx.config.max_grad_norm, tx.config.clip_rule
+    ('all_reduce', 1.0, 'optax')
   """
   cfg = Zero1Config(axis_name, reduce, bucket_bytes, gather_bucket_bytes,
                     master_dtype, max_grad_norm, loss_scale, reduce_dtype,

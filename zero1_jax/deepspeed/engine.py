@@ -11,6 +11,8 @@ Example:
   >>> m = engine.train_batch({"x": jnp.ones((4, 3))})
   >>> engine.global_steps
   1
+  >>> [round(float(w), 4) for w in engine.params["w"]]   # Adam's first step: -lr x sign(grad)
+  [0.99, 0.99, 0.99]
 """
 
 from __future__ import annotations
