@@ -43,8 +43,8 @@ def export_params(ckpt_dir, out_dir, step: int | None = None, *,
     out.rmtree()
   ckpt = Checkpointer(ckpt_dir, async_save=False, create=False)
   try:
-    step = ckpt._resolve(step)
-    meta = ckpt._read_json(step, "meta")
+    step = ckpt.resolve_step(step)
+    meta = ckpt.metadata(step)
     p_names, s_names = reshard.master_names(meta)
     np_args = lambda names: ocp.args.PyTreeRestore(
         item={n: 0 for n in names}, partial_restore=True, restore_args={
@@ -53,7 +53,7 @@ def export_params(ckpt_dir, out_dir, step: int | None = None, *,
     if p_names:
       items["params"] = np_args(p_names)
     try:
-      got = ckpt._mgr.restore(step, args=ocp.args.Composite(**items))
+      got = ckpt.restore_items(step, items)
     except Exception as e:
       reason = reshard.read_error(e, str(ckpt.directory))
       quiet_failed_reads()

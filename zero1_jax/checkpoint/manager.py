@@ -312,6 +312,14 @@ class Checkpointer:
           f"file {step}/{item}/{_REQUIRED[item]} is damaged or truncated "
           f"({str(e).splitlines()[0]})") from None
 
+  def resolve_step(self, step: int | None) -> int:
+    """``step``, or the newest committed one (UnreadableCheckpointError: none)."""
+    return self._resolve(step)
+
+  def restore_items(self, step: int, items: dict) -> Any:
+    """orbax restore of ``items`` (name -> ``ocp.args``) of ``step``."""
+    return self._mgr.restore(step, args=ocp.args.Composite(**items))
+
   def metadata(self, step: int | None = None) -> dict:
     """The manifest of ``step`` (latest): ``num_shards``, ``config``, leaves."""
     return self._read_json(self._resolve(step), "meta")
