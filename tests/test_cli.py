@@ -1,6 +1,7 @@
 """zero1-train: the seed's command runs; bad input is one clear line, exit != 0."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,6 +46,27 @@ def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
   rank_bytes = summary["memory"]["zero1_bytes_per_rank"]
   assert len(rank_bytes) == 4
   assert max(rank_bytes) * 4 <= summary["memory"]["replicated_bytes"] * 1.01
+
+
+def test_stage2_config_trains(tmp_path, capsys):
+  """experiments/configs/ds_zero_stage2.json runs through zero1-train."""
+  cfg = json.load(open(os.path.join(os.path.dirname(SEED_JSON),
+                                    "ds_zero_stage2.json")))
+  assert cfg["zero_optimization"]["stage"] == 2
+  cfg["train_batch_size"] = 16         # 2 per device x 2 accumulation x 4 devices
+  cfg["gradient_accumulation_steps"] = 2
+  cfg["fp16"]["initial_scale_power"] = 8
+  path = tmp_path / "ds2.json"
+  path.write_text(json.dumps(cfg))
+  assert run(tmp_path, config=path) == 0
+  out = capsys.readouterr().out
+  for r in range(4):
+    assert f"[Rank {r}] Zero Stage 2: optimizer state and gradients partitioned" in out
+  o = tmp_path / "out"
+  rows = [json.loads(l) for l in open(o / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in rows)
+  assert json.load(open(o / "ds_config.json"))["zero_optimization"]["stage"] == 2
 
 
 @pytest.mark.parametrize("extra,cfg_edit,message", [

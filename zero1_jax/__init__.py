@@ -1,4 +1,5 @@
-"""zero1_jax: ZeRO Stage 1 (sharded optimizer state) for JAX.
+"""zero1_jax: ZeRO Stage 1 (sharded optimizer state) and Stage 2 (+ sharded
+gradients) for JAX.
 
 The core (:mod:`zero1_jax.core`) is an optax transform and a shard_map step;
 the integrations (``checkpoint``, ``flax``, ``distributed``, ``inspect``) and
@@ -19,6 +20,7 @@ from zero1_jax.core.precision import (DynamicLossScale, LossScaleState,
 from zero1_jax.core.step import init, state_shardings, train_step
 from zero1_jax.core.transform import (StepInfo, Zero1Config, Zero1State,
                                       Zero1Transformation, loss_scale, zero1)
+from zero1_jax.core.zero2 import zero2
 from zero1_jax.deepspeed import (ConfigError, DeepSpeedConfig, Engine,
                                  initialize, load_config)
 
@@ -28,6 +30,6 @@ __all__ = [
     "Zero1Config", "Zero1State", "Zero1Transformation", "checkpoint",
     "deepspeed", "distributed", "flax", "init", "initialize", "inspect",
     "load_config", "loss_scale", "plan", "specs", "state_shardings",
-    "train_step", "zero1",
+    "train_step", "zero1", "zero2",
 ]
 __version__ = "0.1.0"

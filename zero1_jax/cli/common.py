@@ -77,7 +77,9 @@ def log_memory(engine, cfg, estimate=None) -> dict:
     if d.process_index != jax.process_index():
       continue
     per_rank[r] = inspect.device_bytes(state, d)
-    print(f"[Rank {r}] Zero Stage 1: optimizer state partitioned")
+    what = ("optimizer state and gradients" if cfg.zero.stage == 2
+            else "optimizer state")
+    print(f"[Rank {r}] Zero Stage {cfg.zero.stage}: {what} partitioned")
     print(f"[Rank {r}] Before: optimizer state {before / _GiB:.4g} GiB per GPU")
     print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GiB:.4g} GiB per "
           f"GPU (1/{n})")

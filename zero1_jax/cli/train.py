@@ -25,7 +25,7 @@ log = logging.getLogger("zero1_jax")
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       prog="zero1-train", description="Train a Flax BERT-MLM with ZeRO stage 1 "
-      "from a DeepSpeed JSON config.")
+      "or 2 from a DeepSpeed JSON config.")
   p.add_argument("--deepspeed", required=True, metavar="JSON",
                  help="DeepSpeed config file")
   p.add_argument("--num_devices", type=int, default=None,

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import specs as zspecs
+from zero1_jax.core import zero2
 from zero1_jax.core.transform import Zero1State, Zero1Transformation
 
 
@@ -143,20 +144,42 @@ def _explicit(mesh) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
+def _local_grad_fn(loss_fn: Callable, params: Any, axis: str) -> Callable:
+  """Stage 1: ``f(batch) -> (full local gradients, aux)``, unreduced."""
+  grad_fn = jax.grad(loss_fn, has_aux=True, allow_int=True)
+  # Differentiate w.r.t. a varying view of the replicated params: the
+  # gradients stay local and unreduced (under check_vma, the gradient of an
+  # invariant input would be psum'd for us); zero1 reduces them itself.
+  local = jax.tree.map(
+      lambda x: jax.lax.pcast(x, axis, to="varying")
+      if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+  def f(batch):
+    g, aux = grad_fn(local, batch)
+    g = jax.tree.map(   # integer leaves: float0 -> zeros, never used
+        lambda g, p: g if jnp.issubdtype(p.dtype, jnp.floating)
+        else jnp.zeros(p.shape, p.dtype), g, params)
+    return g, aux
+
+  return f
+
+
 def train_step(loss_fn: Callable, tx: Zero1Transformation,
                mesh: jax.sharding.Mesh, *, grad_accum_steps: int = 1,
                has_aux: bool = False, donate: bool = True) -> Callable:
-  """A jitted ZeRO-1 step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+  """A jitted ZeRO-1 (or ZeRO-2) step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss over the batch it
       is given (or ``(loss, aux)`` with ``has_aux``).
-    tx: from :func:`zero1_jax.zero1`.
+    tx: from :func:`zero1_jax.zero1` or :func:`zero1_jax.zero2`.
     mesh: a mesh with ``tx.config.axis_name``.
     grad_accum_steps: the batch's leading axis is split into this many
       consecutive micro-batches, each split evenly over the data axis in
-      device order; local gradients are summed over micro-batches and reduced
-      once.
+      device order. Stage 1: local gradients are summed over micro-batches
+      and reduced once; stage 2 (:func:`zero1_jax.zero2`): each micro-batch's
+      gradients are reduce-scattered in its backward pass and the 1/N shards
+      summed.
     has_aux: ``aux`` is averaged over micro-batches and devices and returned
       as ``metrics["aux"]``.
     donate: donate params and opt_state (the update happens in place).
@@ -174,6 +197,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
   if accum < 1:
     raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
 
+  stage2 = tx.config.stage == 2
+
   def per_device(params, opt_state: Zero1State, batch):
     scale = opt_state.loss_scale.scale
 
@@ -182,20 +207,15 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       loss, aux = out if has_aux else (out, None)
       return (loss * scale.astype(loss.dtype) / accum).astype(loss.dtype), (loss, aux)
 
-    grad_fn = jax.grad(scaled_loss, has_aux=True, allow_int=True)
-
-    # Differentiate w.r.t. a varying view of the replicated params: the
-    # gradients stay local and unreduced (under check_vma, the gradient of an
-    # invariant input would be psum'd for us); zero1 reduces them itself.
-    local = jax.tree.map(
-        lambda x: jax.lax.pcast(x, axis, to="varying")
-        if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    if stage2:
+      # Each leaf's gradient is reduce-scattered as the backward produces
+      # it: g holds this device's summed 1/N shards (None at static leaves).
+      grad_fn = zero2.reduced_grad_fn(scaled_loss, params, tx.config, n)
+    else:
+      grad_fn = _local_grad_fn(scaled_loss, params, axis)
 
     def micro(carry, mb):
-      g, (loss, aux) = grad_fn(local, mb)
-      g = jax.tree.map(   # integer leaves: float0 -> zeros, never used
-          lambda g, p: g if jnp.issubdtype(p.dtype, jnp.floating)
-          else jnp.zeros(p.shape, p.dtype), g, params)
+      g, (loss, aux) = grad_fn(mb)
       if carry is None:
         return g, loss, aux
       g0, l0, a0 = carry
@@ -208,7 +228,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       rest = jax.tree.map(lambda x: x[1:], batch)
       carry, _ = jax.lax.scan(lambda c, mb: (micro(c, mb), None), carry, rest)
     grads, loss, aux = carry
-    new_params, new_state, info = tx.apply(grads, opt_state, params)
+    new_params, new_state, info = tx.apply(grads, opt_state, params,
+                                           pre_reduced=stage2)
     metrics = {"loss": jax.lax.pmean(loss / accum, axis),
                "grad_norm": info.grad_norm, "skipped": info.skipped,
                "loss_scale": info.loss_scale}

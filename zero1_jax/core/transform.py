@@ -69,8 +69,11 @@ class Zero1Config:
   reduce_dtype: Any = None
   check_elementwise: bool = True
   clip_rule: str = "optax"
+  stage: int = 1   # 2: train_step reduces gradients in the backward (zero2.py)
 
   def __post_init__(self):
+    if self.stage not in (1, 2):
+      raise ValueError(f"stage must be 1 or 2, got {self.stage!r}")
     if self.reduce not in ("reduce_scatter", "all_reduce"):
       raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got "
                        f"{self.reduce!r}")
@@ -97,8 +100,10 @@ class Zero1Transformation(optax.GradientTransformation):
   master, with the master shards taken from ``values``: e.g. fp32 weights
   before their cast to bf16), ``apply(grads, state, params)``
   returning ``(new_params, new_state, StepInfo)`` without materialising an
-  update tree (what :func:`zero1_jax.train_step` uses), and
-  ``loss_scaler(params)`` returning the loss-scale policy for a param tree.
+  update tree (what :func:`zero1_jax.train_step` uses; with
+  ``pre_reduced=True`` ``grads`` are the summed shards stage 2's backward
+  produced, see :mod:`zero1_jax.core.zero2`), and ``loss_scaler(params)``
+  returning the loss-scale policy for a param tree.
   """
 
 
@@ -188,6 +193,31 @@ def check_tree(what: str, tree, layout: lay.Layout) -> list:
   return leaves
 
 
+def check_shards(tree, layout: lay.Layout) -> list:
+  """Leaves of already-reduced gradients (``apply(..., pre_reduced=True)``):
+  this device's ``shard_shape`` piece at sharded leaves, the scalar at
+  replicated ones, anything (None) at static ones, which come back as
+  ShapeDtypeStructs of the parameter; ValueError otherwise."""
+  try:
+    leaves = layout.treedef.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"zero1: pre-reduced grads do not match the parameter "
+                     f"tree ({e}).") from None
+  for i, (x, spec) in enumerate(zip(leaves, layout.leaves)):
+    if spec.kind == lay.STATIC:
+      leaves[i] = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
+    elif tuple(jnp.shape(x)) != spec.shard_shape:
+      path = jax.tree_util.tree_flatten_with_path(
+          layout.treedef.unflatten(range(len(leaves))))[0][i][0]
+      raise ValueError(
+          f"zero1: pre-reduced grads{jax.tree_util.keystr(path)} has shape "
+          f"{tuple(jnp.shape(x))} "
+          f"but this device's shard is {spec.shard_shape}. pre_reduced=True "
+          f"takes the summed 1/N shards (zero2's train_step); pass whole local "
+          f"gradients without it.")
+  return leaves
+
+
 def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           reduce: str = "reduce_scatter", bucket_bytes: int = 1 << 26,
           gather_bucket_bytes: int | None = None,
@@ -255,11 +285,12 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
   def init_fn(params) -> Zero1State:
     return init_from(params, params)
 
-  def apply_fn(grads, state: Zero1State, params):
+  def apply_fn(grads, state: Zero1State, params, *, pre_reduced: bool = False):
     layout = lay.plan(params, _axis_size(axis))
     n = layout.num_shards
     p_leaves = jax.tree.leaves(params)
-    g_leaves = check_tree("grads", grads, layout)
+    g_leaves = (check_shards(grads, layout) if pre_reduced
+                else check_tree("grads", grads, layout))
     scaler = _loss_scaler(cfg, params)
     comm = [jnp.dtype(cfg.reduce_dtype or g.dtype) for g in g_leaves]
     r_buckets = lay.plan_buckets(layout, tuple(comm), int(cfg.bucket_bytes))
@@ -267,10 +298,14 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
         layout, tuple(jnp.dtype(p.dtype) for p in p_leaves),
         int(cfg.gather_bucket_bytes or cfg.bucket_bytes))
 
-    # 1. Reduce and unscale in the master dtype.
-    reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
-                                 all_reduce=cfg.reduce == "all_reduce")
-    reduced.update(col.psum_replicated(g_leaves, layout, axis))
+    # 1. Reduce (unless stage 2's backward did) and unscale in the master dtype.
+    if pre_reduced:
+      reduced = {i: g_leaves[i] for i in layout.indices(lay.SHARD)
+                 + layout.indices(lay.REPLICATE)}
+    else:
+      reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
+                                   all_reduce=cfg.reduce == "all_reduce")
+      reduced.update(col.psum_replicated(g_leaves, layout, axis))
     scale = state.loss_scale.scale
     denom = (scale * n).astype(cfg.master_dtype)
     g = {i: v.astype(cfg.master_dtype) / denom for i, v in reduced.items()}

@@ -31,6 +31,7 @@ from zero1_jax.deepspeed import optim as ds_optim
 from zero1_jax.core import precision
 from zero1_jax.core import step as zstep
 from zero1_jax.core.transform import Zero1Transformation, zero1
+from zero1_jax.core.zero2 import zero2
 
 logger = logging.getLogger("zero1_jax")
 _COMM = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
@@ -66,19 +67,24 @@ def loss_scale_policy(cfg: zconfig.DeepSpeedConfig) -> precision.LossScale:
 
 def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
              ) -> Zero1Transformation:
-  """The :func:`zero1` transformation a DeepSpeed config describes.
+  """The :func:`zero1` (stage 1) or :func:`zero2` (stage 2) transformation
+  a DeepSpeed config describes.
 
   ``reduce_bucket_size`` / ``allgather_bucket_size`` count elements in
-  DeepSpeed; here they become bytes at the gradient / parameter dtype.
+  DeepSpeed; here they become bytes at the gradient / parameter dtype
+  (stage 2's train_step reduces each leaf as the backward produces it, so
+  ``reduce_bucket_size`` has no effect there: see :func:`zero2`).
   """
-  if cfg.zero.stage != 1:
+  if cfg.zero.stage not in (1, 2):
     raise zconfig.ConfigError(
-        f"zero_optimization.stage is {cfg.zero.stage}; zero1_jax implements "
-        "stage 1 (sharded optimizer state). Set \"stage\": 1.")
+        f"zero_optimization.stage is {cfg.zero.stage}; the engine runs stage "
+        "1 (sharded optimizer state) or 2 (+ gradients reduce-scattered in "
+        "the backward pass). Set \"stage\": 1 or 2.")
   itemsize = jnp.dtype(compute_dtype(cfg) or jnp.float32).itemsize
   comm = (_COMM[cfg.communication_data_type]
           if cfg.communication_data_type else None)
-  return zero1(
+  make = zero2 if cfg.zero.stage == 2 else zero1
+  return make(
       ds_optim.build_optimizer(cfg.optimizer, cfg.scheduler), axis_name=axis_name,
       reduce="reduce_scatter" if cfg.zero.reduce_scatter else "all_reduce",
       bucket_bytes=int(cfg.zero.reduce_bucket_size) * itemsize,
