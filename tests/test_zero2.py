@@ -17,6 +17,9 @@
   sharded state + 0.3 x the gradient bytes.
 """
 
+import dataclasses
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,6 +113,20 @@ def test_update_inside_a_users_shard_map_is_zero1s():
                               out_specs=(P(), specs), check_vma=False))
     outs.append(f(p, s, b)[0])
   assert_equal(outs[1], outs[0], "updates ")
+
+
+def test_same_keywords_as_zero1():
+  assert inspect.signature(z1.zero2) == inspect.signature(z1.zero1)
+  kw = dict(reduce="all_reduce", bucket_bytes=4096, gather_bucket_bytes=512,
+            master_dtype=jnp.float32, max_grad_norm=2.0,
+            loss_scale=z1.StaticLossScale(8.0), reduce_dtype=jnp.float32,
+            check_elementwise=False, clip_rule="deepspeed")
+  one = z1.zero1(optax.sgd(0.1), axis_name="d", **kw).config
+  two = z1.zero2(optax.sgd(0.1), axis_name="d", **kw).config
+  assert (two.stage, one.stage) == (2, 1)
+  assert dataclasses.replace(two, stage=1) == one
+  with pytest.raises(TypeError, match="bucket_size"):
+    z1.zero2(optax.sgd(0.1), axis_name="d", bucket_size=1)
 
 
 def test_bad_input_is_refused_clearly():

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -40,40 +41,38 @@ import optax
 
 from zero1_jax.core import collectives as col
 from zero1_jax.core import layout as lay
-from zero1_jax.core import precision
 from zero1_jax.core.transform import Zero1Config, Zero1Transformation, zero1
 
 
 def zero2(inner: optax.GradientTransformation, *, axis_name: str,
-          reduce: str = "reduce_scatter", bucket_bytes: int = 1 << 26,
-          gather_bucket_bytes: int | None = None,
-          master_dtype: Any = jnp.float32, max_grad_norm: float | None = None,
-          loss_scale: precision.LossScale | None = None,
-          reduce_dtype: Any = None, check_elementwise: bool = True,
-          clip_rule: str = "optax") -> Zero1Transformation:
+          **kwargs: Any) -> Zero1Transformation:
   """ZeRO Stage 2: :func:`zero1_jax.zero1`'s sharded optimizer, with
   gradients reduce-scattered while the backward pass produces them.
 
-  Takes exactly :func:`zero1_jax.zero1`'s arguments and means the same by
-  them, except ``bucket_bytes``: :func:`zero1_jax.train_step` reduces each
-  leaf on its own as its gradient appears (one collective a leaf; GPU
-  backends combine them), so it applies only to ``tx.update`` called
-  directly. ``tx.update`` inside a user's own shard_map is stage 1's (it is
-  handed whole local gradients, so there is nothing left to shard).
+  Takes exactly :func:`zero1_jax.zero1`'s keywords (its signature is this
+  function's ``__signature__``) and means the same by them, except
+  ``bucket_bytes``: :func:`zero1_jax.train_step` reduces each leaf on its own
+  as its gradient appears (one collective a leaf; GPU backends combine them),
+  so it applies only to ``tx.update`` called directly. ``tx.update`` inside
+  a user's own shard_map is stage 1's (it is handed whole local gradients,
+  so there is nothing left to shard).
 
   Returns:
     A :class:`zero1_jax.Zero1Transformation` with ``config.stage == 2``; use
     it with :func:`zero1_jax.init` and :func:`zero1_jax.train_step`.
+
+  Raises:
+    TypeError: a keyword :func:`zero1_jax.zero1` does not take.
+    ValueError: as :func:`zero1_jax.zero1`.
   """
-  tx = zero1(inner, axis_name=axis_name, reduce=reduce,
-             bucket_bytes=bucket_bytes, gather_bucket_bytes=gather_bucket_bytes,
-             master_dtype=master_dtype, max_grad_norm=max_grad_norm,
-             loss_scale=loss_scale, reduce_dtype=reduce_dtype,
-             check_elementwise=check_elementwise, clip_rule=clip_rule)
+  tx = zero1(inner, axis_name=axis_name, **kwargs)
   # The update's math does not depend on the stage (only on how the
   # gradients reach it, which train_step reads from config.stage).
   tx.config = dataclasses.replace(tx.config, stage=2)
   return tx
+
+
+zero2.__signature__ = inspect.signature(zero1)
 
 
 def comm_dtype(spec: lay.LeafSpec, cfg: Zero1Config) -> jnp.dtype:

@@ -1,0 +1,81 @@
+"""ZeRO-1 vs ZeRO-2 on one model: compiled per-device peaks and step-time ratio.
+
+For each accumulation count, both stages are compiled for the same batch
+(``z1.inspect.memory``: argument + output - alias + temp) and then timed
+interleaved in one process (stage 1, stage 2, stage 1, ... after a warm-up);
+the reported ratio is the median of per-round ``t(stage 2) / t(stage 1)``.
+
+Usage (from the repository root; 8 simulated CPU devices):
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
+    python -m experiments.zero2_compare --size s --n 8 --accum 1 4
+
+The bench can call :func:`compare` (one model, one N) and print its rows.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+
+import zero1_jax as z1
+from experiments import bench_setup as bs
+
+STAGES = {1: z1.zero1, 2: z1.zero2}
+
+
+def compare(size: str = "s", n: int = 8, accums=(1, 4), dtype: str = "fp32",
+            seq_len: int = 64, per_device_batch: int = 2, rounds: int = 9,
+            warmup: int = 2, bucket_bytes: int = bs.DEFAULT_BUCKET) -> list[dict]:
+  """One row per accumulation count: ``peak`` and ``temp`` bytes per device
+  for each stage, the gradient bytes, and ``time_ratio`` (stage 2 / stage 1,
+  median over ``rounds`` interleaved rounds)."""
+  m = bs.model(size, dtype, seq_len)
+  mesh = bs.make_mesh(n)
+  rows = []
+  for accum in accums:
+    b = bs.device_batch(bs.batch(per_device_batch * n * accum, seq_len), n)
+    runs, row = {}, {"size": size, "n": n, "accum": accum, "psi": m.psi,
+                     "grad_bytes": sum(x.nbytes for x in jax.tree.leaves(m.params))}
+    for stage, make in STAGES.items():
+      tx = make(bs.optimizer(), axis_name="data", bucket_bytes=bucket_bytes)
+      p, s = z1.init(tx, m.params, mesh)
+      compiled = z1.train_step(m.loss_fn, tx, mesh,
+                               grad_accum_steps=accum).lower(p, s, b).compile()
+      mem = z1.inspect.memory(compiled)
+      row[f"peak{stage}"], row[f"temp{stage}"] = mem["peak"], mem["temp"]
+      runs[stage] = [compiled, p, s]
+    ratios = []
+    for r in range(warmup + rounds):
+      t = {}
+      for stage, run in runs.items():
+        t0 = time.perf_counter()
+        run[1], run[2], metrics = run[0](run[1], run[2], b)
+        jax.block_until_ready((run[1], run[2], metrics))
+        t[stage] = time.perf_counter() - t0
+      if r >= warmup:
+        ratios.append(t[2] / t[1])
+    row["time_ratio"] = statistics.median(ratios)
+    rows.append(row)
+  return rows
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--size", default="s")
+  ap.add_argument("--n", type=int, default=8)
+  ap.add_argument("--accum", type=int, nargs="+", default=[1, 4])
+  ap.add_argument("--rounds", type=int, default=9)
+  a = ap.parse_args(argv)
+  for r in compare(a.size, a.n, tuple(a.accum), rounds=a.rounds):
+    g = r["grad_bytes"]
+    print(f"{r['size']} N={r['n']} accum={r['accum']} psi={r['psi']} grad {g / 1e6:.2f} MB | "
+          f"peak ZeRO-1 {r['peak1'] / 1e6:.2f} MB, ZeRO-2 {r['peak2'] / 1e6:.2f} MB "
+          f"(saved {(r['peak1'] - r['peak2']) / g:.2f} x grad) | temp "
+          f"{r['temp1'] / 1e6:.2f} / {r['temp2'] / 1e6:.2f} MB | "
+          f"t(ZeRO-2)/t(ZeRO-1) median {r['time_ratio']:.3f}")
+
+
+if __name__ == "__main__":
+  main()
