@@ -25,11 +25,27 @@ from experiments import bench_setup as bs
 STAGES = {1: z1.zero1, 2: z1.zero2}
 
 
+def floor_peak(m, mesh, b) -> int:
+  """Per-device peak of fwd + bwd + local SGD with no communication (donating)."""
+  P = jax.sharding.PartitionSpec
+
+  def per_device(p, b):
+    g = jax.grad(m.loss_fn)(p, b)
+    return jax.tree.map(lambda x, y: x - 1e-4 * y, p, g)
+
+  f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")),
+                            out_specs=P(), check_vma=False), donate_argnums=0)
+  p = jax.device_put(m.params, jax.sharding.NamedSharding(mesh, P()))
+  return z1.inspect.memory(f, p, b)["peak"]
+
+
 def compare(size: str = "s", n: int = 8, accums=(1, 4), dtype: str = "fp32",
             seq_len: int = 64, per_device_batch: int = 2, rounds: int = 9,
             warmup: int = 2, bucket_bytes: int = bs.DEFAULT_BUCKET) -> list[dict]:
   """One row per accumulation count: ``peak`` and ``temp`` bytes per device
-  for each stage, the gradient bytes, and ``time_ratio`` (stage 2 / stage 1,
+  for each stage, the gradient bytes, the no-communication floor's peak
+  (:func:`floor_peak`), stage 2's sharded state bytes on the first device,
+  and ``time_ratio`` (stage 2 / stage 1,
   median over ``rounds`` interleaved rounds)."""
   m = bs.model(size, dtype, seq_len)
   mesh = bs.make_mesh(n)
@@ -46,6 +62,9 @@ def compare(size: str = "s", n: int = 8, accums=(1, 4), dtype: str = "fp32",
       mem = z1.inspect.memory(compiled)
       row[f"peak{stage}"], row[f"temp{stage}"] = mem["peak"], mem["temp"]
       runs[stage] = [compiled, p, s]
+    row["floor_peak"] = floor_peak(m, mesh, b)
+    row["state_bytes"] = z1.inspect.device_bytes(
+        (runs[2][2].master, runs[2][2].inner), mesh.devices.flat[0])
     ratios = []
     for r in range(warmup + rounds):
       t = {}
@@ -72,7 +91,8 @@ def main(argv=None) -> None:
     g = r["grad_bytes"]
     print(f"{r['size']} N={r['n']} accum={r['accum']} psi={r['psi']} grad {g / 1e6:.2f} MB | "
           f"peak ZeRO-1 {r['peak1'] / 1e6:.2f} MB, ZeRO-2 {r['peak2'] / 1e6:.2f} MB "
-          f"(saved {(r['peak1'] - r['peak2']) / g:.2f} x grad) | temp "
+          f"(saved {(r['peak1'] - r['peak2']) / g:.2f} x grad; ZeRO-2 = floor + "
+          f"state + {(r['peak2'] - r['floor_peak'] - r['state_bytes']) / g:.2f} x grad) | temp "
           f"{r['temp1'] / 1e6:.2f} / {r['temp2'] / 1e6:.2f} MB | "
           f"t(ZeRO-2)/t(ZeRO-1) median {r['time_ratio']:.3f}")
 
