@@ -170,7 +170,7 @@ ENTRY %main (x: f32[8,4], w: f32[4,16]) -> (f32[8,4], f32[8,8], f32[8,4]) {
   %a = f32[8,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
   %b = f32[8,4]{1,0} exponential(f32[8,4]{1,0} %x)
   %rs-start = ((f32[8,16]{1,0}), f32[1,16]{1,0}) reduce-scatter-start(%a), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
-  %c = f32[8,4]{1,0} negate(%b)
+  %c = f32[8,4]{1,0} negate(f32[8,4]{1,0} %b)
   %rs-done = f32[1,16]{1,0} reduce-scatter-done(%rs-start)
   %e = f32[1,16]{1,0} multiply(%rs-done, %rs-done)
   %t = (f32[1,16]{1,0}, f32[8,4]{1,0}) tuple(%e, %c)
