@@ -189,12 +189,13 @@ def overlap_summary(reports: list[Overlap]) -> str:
   """A table of :func:`overlap`'s reports, one line per collective."""
   if not reports:
     return "no collectives"
-  rows = [f"{'collective':<20} {'kind':<18} {'bytes':>9}  {'independent compute':>34}"
+  w = min(40, max(10, *(len(r.name) for r in reports)))
+  rows = [f"{'collective':<{w}} {'kind':<18} {'bytes':>9}  {'independent compute':>34}"
           f"  {'feeds it':>8} {'waits':>6} {'of':>4}"]
   for r in reports:
     free = (f"{len(r.independent)} ops, {_size(r.independent_bytes, 'B')}, "
             f"{_size(r.independent_flops, 'flop')}")
-    rows.append(f"{r.name[:20]:<20} {r.kind:<18} {_size(r.bytes, 'B'):>9}  {free:>34}"
+    rows.append(f"{r.name[:w]:<{w}} {r.kind:<18} {_size(r.bytes, 'B'):>9}  {free:>34}"
                 f"  {r.feeding:>8} {r.waiting:>6} {r.total_compute:>4}")
   exposed = sum(1 for r in reports if not r.independent)
   rows.append(f"{exposed} of {len(reports)} collectives have no independent compute "
