@@ -132,20 +132,21 @@ def hlo_overlap(hlo_text: str) -> list[Overlap]:
     cost = {n: (sum(hlo_graph.shape_bytes(instrs[k].shape) for k in deps.nodes[n]),
                 sum(_flops(module, shapes, comp, instrs[k]) for k in deps.nodes[n]))
             for n in compute}
+    mask = sum(1 << c for c in compute)
     for n, members in enumerate(deps.nodes):
       kind = kinds[members[0]]
       if not kind:
         continue
       anc, desc = deps.ancestors[n], deps.descendants[n]
-      free = [c for c in compute if not (anc >> c) & 1 and not (desc >> c) & 1]
+      free_set = mask & ~anc & ~desc
+      free = [c for c in compute if (free_set >> c) & 1]
       out.append(Overlap(
           name=instrs[members[0]].name, kind=kind,
           bytes=_collective_bytes(instrs, members, kind), computation=comp,
           independent=tuple(instrs[deps.nodes[c][0]].name for c in free),
           independent_bytes=sum(cost[c][0] for c in free),
           independent_flops=sum(cost[c][1] for c in free),
-          feeding=sum((anc >> c) & 1 for c in compute),
-          waiting=sum((desc >> c) & 1 for c in compute),
+          feeding=(anc & mask).bit_count(), waiting=(desc & mask).bit_count(),
           total_compute=len(compute)))
   return out
 
