@@ -253,3 +253,34 @@ ENTRY %e (x: f32[2]) -> f32[16] {
     hlo_graph.parse("%f (p: f32[]) -> f32[] {\n}\n")
   with pytest.raises(TypeError, match="jax.jit"):
     z1.inspect.overlap(lambda x: x, 1.0)
+
+
+def test_collectives_in_a_loop_body_are_judged_within_one_iteration():
+  text = """HloModule loop
+
+%body (c: (s32[], f32[8], f32[8])) -> (s32[], f32[8], f32[8]) {
+  %c = (s32[], f32[8]{0}, f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %u = f32[8]{0} get-tuple-element(%c), index=1
+  %v = f32[8]{0} get-tuple-element(%c), index=2
+  %ar = f32[8]{0} all-reduce(%u), replica_groups={{0,1}}, to_apply=%add
+  %m = f32[8]{0} multiply(%v, %v)
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8]{0}, f32[8]{0}) tuple(%j, %ar, %m)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}, f32[8]{0}) tuple(%zero, %x, %x)
+  %w = (s32[], f32[8]{0}, f32[8]{0}) while(%init), condition=%cond, body=%body
+  %y = f32[8]{0} get-tuple-element(%w), index=1
+  ROOT %ag = f32[16]{0} all-gather(%y), replica_groups={{0,1}}, dimensions={0}
+}
+"""
+  ag, ar = hlo_overlap(text)
+  assert (ag.computation, ag.kind, ag.feeding) == ("main", "all-gather", 1)
+  assert ag.independent == ()   # the loop feeds it
+  assert (ar.computation, ar.kind, ar.bytes) == ("body", "all-reduce", 32)
+  assert ar.independent == ("m", "j") and ar.total_compute == 2
