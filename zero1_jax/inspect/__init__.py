@@ -18,14 +18,13 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from zero1_jax.inspect.hlo_graph import group_size, last_tuple_element, shape_bytes
+from zero1_jax.inspect.hlo_graph import (COLLECTIVES, group_size,
+                                         last_tuple_element, shape_bytes)
 from zero1_jax.inspect.overlap_report import (Overlap, hlo_overlap, overlap,
                                              overlap_summary)
 
-_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
-          "collective-permute")
 _LINE = re.compile(r"=\s*(?P<out>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-                   r"(?P<kind>" + "|".join(_KINDS) + r")(?P<start>-start)?\(")
+                   r"(?P<kind>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
 
 
 class Collective(NamedTuple):

@@ -29,6 +29,8 @@ ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1,
             "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
             "c128": 16}
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
+               "collective-permute")   # opcodes (async forms add -start/-done)
 _SHAPE = re.compile(r"([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")

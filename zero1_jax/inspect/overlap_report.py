@@ -21,8 +21,6 @@ from typing import Any, Callable, NamedTuple
 from zero1_jax.inspect import hlo_graph
 from zero1_jax.inspect.hlo_graph import Instruction, Module
 
-KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
-         "collective-permute")
 # Bookkeeping, aliasing and copies: never counted as compute. Everything else
 # is (fusion, dot, convolution, custom-call, while, call, and any unfused op).
 NOT_COMPUTE = frozenset({
@@ -51,12 +49,12 @@ class Overlap(NamedTuple):
 def _kind(instr: Instruction, module: Module) -> str | None:
   op = instr.opcode
   base = op[:-len("-start")] if op.endswith("-start") else op
-  if base in KINDS:
+  if base in hlo_graph.COLLECTIVES:
     return base
   if op == "async-start" and instr.called:   # an unsugared async wrapper
     inner = module.computations.get(instr.called[0], ())
     root = inner[-1].opcode if inner else ""
-    return root if root in KINDS else None
+    return root if root in hlo_graph.COLLECTIVES else None
   return None
 
 
