@@ -137,7 +137,7 @@ def hlo_overlap(hlo_text: str) -> list[Overlap]:
         continue
       anc, desc = deps.ancestors[n], deps.descendants[n]
       free_set = mask & ~anc & ~desc
-      free = [c for c in compute if (free_set >> c) & 1]
+      free = [c for c, bit in enumerate(bin(free_set)[:1:-1]) if bit == "1"]
       out.append(Overlap(
           name=instrs[members[0]].name, kind=kind,
           bytes=_collective_bytes(instrs, members, kind), computation=comp,
