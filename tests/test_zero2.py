@@ -15,6 +15,8 @@
   keeps a full accumulator, stage 2 its shard); without accumulation stage 2
   stays within the no-communication floor (fwd + bwd + local SGD) + the
   sharded state + 0.3 x the gradient bytes.
+* Overlap (z1.inspect.overlap): each per-leaf reduce-scatter has other
+  layers' backward dots independent of it; stage 1's bucket has almost none.
 """
 
 import dataclasses
@@ -231,3 +233,32 @@ def test_deepspeed_stage2_config_builds_zero2_and_matches_stage1():
     ms = [e.train_batch(b) for b in exact_batches(3, size=32)]
     runs.append((e.params, e.opt_state, ms))
   assert_same_run(runs[1], runs[0], "deepspeed stage 2 vs 1 ")
+
+
+# ---------------------------------------------------------------- overlap
+def test_in_backward_reduce_scatters_have_backward_compute_beside_them():
+  """Stage 1's one bucket waits for the whole backward; each of stage 2's
+  per-leaf reduce-scatters leaves other layers' gradient dots independent of
+  it (z1.inspect.overlap), which a latency-hiding scheduler can hide it behind."""
+  d, layers, n = 64, 4, 4
+  params = {f"l{i}": {"w": jnp.full((d, d), 0.01 * (i + 1)), "b": jnp.zeros(d)}
+            for i in range(layers)}
+
+  def loss(p, b):
+    h = b["x"]
+    for i in range(layers):
+      h = jnp.tanh(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return jnp.mean(jnp.square(h))
+
+  flops = {}
+  for make in (z1.zero1, z1.zero2):
+    tx = make(optax.adam(1e-3), axis_name="data")
+    p, s = z1.init(tx, params, mesh(n))
+    b = {"x": np.ones((2 * n, d), np.float32)}
+    rs = [r for r in z1.inspect.overlap(z1.train_step(loss, tx, mesh(n)), p, s, b)
+          if r.kind == "reduce-scatter"]
+    flops[make.__name__] = [r.independent_flops for r in rs]
+  # Measured (jax 0.10, CPU): stage 1 [16384] (one row-block dot); stage 2
+  # weights 6, 5, 4, 3 such dots, biases 7, 6, 5, 4.
+  assert len(flops["zero1"]) == 1 and len(flops["zero2"]) == 2 * layers
+  assert min(flops["zero2"]) >= 3 * max(flops["zero1"]) > 0, flops
