@@ -12,11 +12,12 @@ bytes per parameter / N). Only parameters in another dtype (bf16, fp16) keep
 a sharded master copy in the master dtype (12 bytes / N with Adam).
 
 One ``update`` (inside ``shard_map`` over ``axis_name``):
-  1. reduce the local gradients: bucketed ``psum_scatter`` (or ``psum`` and a
-     slice on the all-reduce path), then divide by N and the loss scale in the
-     master dtype;
+  1. reduce the local gradients: ``psum_scatter`` (or ``psum`` and a slice on
+     the all-reduce path), in place on each large leaf and bucketed for small
+     ones (:func:`zero1_jax.core.layout.plan_buckets`);
   2. global grad norm from the shards (one scalar ``psum``): clipping and
-     overflow detection both use it;
+     overflow detection both use it; averaging over N, unscaling and clipping
+     fold into one scalar divisor of the sums, fused into the update;
   3. the inner optimizer updates the master shard (the stored one, or the
      parameter's own shard); an overflowing step keeps the old master and
      inner state on every device;
@@ -69,11 +70,15 @@ class Zero1Config:
   reduce_dtype: Any = None
   check_elementwise: bool = True
   clip_rule: str = "optax"
+  inplace_bytes: int | None = 1 << 16
 
   def __post_init__(self):
     if self.reduce not in ("reduce_scatter", "all_reduce"):
       raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got "
                        f"{self.reduce!r}")
+    if self.inplace_bytes is not None and int(self.inplace_bytes) < 0:
+      raise ValueError(f"inplace_bytes must be >= 0 (or None to pack every "
+                       f"leaf), got {self.inplace_bytes}")
     for name in ("bucket_bytes", "gather_bucket_bytes"):
       v = getattr(self, name)
       if v is not None and int(v) < 1:
@@ -194,7 +199,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           master_dtype: Any = jnp.float32, max_grad_norm: float | None = None,
           loss_scale: precision.LossScale | None = None,
           reduce_dtype: Any = None, check_elementwise: bool = True,
-          clip_rule: str = "optax") -> Zero1Transformation:
+          clip_rule: str = "optax",
+          inplace_bytes: int | None = 1 << 16) -> Zero1Transformation:
   """Shards ``inner``'s state and the master weights over ``axis_name``.
 
   Args:
@@ -221,6 +227,10 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     clip_rule: how ``max_grad_norm`` clips: ``"optax"`` (as
       ``optax.clip_by_global_norm``: ``g * c / norm`` when ``norm >= c``) or
       ``"deepspeed"`` (ZeRO-1/2's ``g / max(1, (norm + 1e-6) / c)``).
+    inplace_bytes: a leaf of at least this many bytes (all N pieces) is
+      reduced and gathered in place, one collective on the leaf itself, with
+      no bucket copy; smaller leaves are packed into buckets of
+      ``bucket_bytes``. None: pack every leaf.
 
   Returns:
     A :class:`Zero1Transformation`. Its ``update(grads, state, params)``
@@ -237,7 +247,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
   """
   cfg = Zero1Config(axis_name, reduce, bucket_bytes, gather_bucket_bytes,
                     master_dtype, max_grad_norm, loss_scale, reduce_dtype,
-                    check_elementwise, clip_rule)
+                    check_elementwise, clip_rule, inplace_bytes)
   axis = axis_name
 
   def init_from(params, values) -> Zero1State:
@@ -262,36 +272,41 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     g_leaves = check_tree("grads", grads, layout)
     scaler = _loss_scaler(cfg, params)
     comm = [jnp.dtype(cfg.reduce_dtype or g.dtype) for g in g_leaves]
-    r_buckets = lay.plan_buckets(layout, tuple(comm), int(cfg.bucket_bytes))
+    r_buckets = lay.plan_buckets(layout, tuple(comm), int(cfg.bucket_bytes),
+                                 cfg.inplace_bytes)
     g_buckets = lay.plan_buckets(
         layout, tuple(jnp.dtype(p.dtype) for p in p_leaves),
-        int(cfg.gather_bucket_bytes or cfg.bucket_bytes))
+        int(cfg.gather_bucket_bytes or cfg.bucket_bytes), cfg.inplace_bytes)
 
-    # 1. Reduce and unscale in the master dtype.
+    # 1. Reduce; the sums stay as they arrive (in the master dtype) and the
+    # average, unscale and clip become one scalar divisor applied in step 3,
+    # where XLA fuses it into the inner update. Norm and update both reading
+    # one divided tree would make XLA write that tree out (it does not
+    # duplicate divides into two consumers). A divide, not a multiply by the
+    # reciprocal: bitwise what optax computes from pmean'd gradients.
     reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
                                  all_reduce=cfg.reduce == "all_reduce")
     reduced.update(col.psum_replicated(g_leaves, layout, axis))
+    r = {i: v.astype(cfg.master_dtype) for i, v in reduced.items()}
     scale = state.loss_scale.scale
-    denom = (scale * n).astype(cfg.master_dtype)
-    g = {i: v.astype(cfg.master_dtype) / denom for i, v in reduced.items()}
+    denom = (scale * n).astype(jnp.float32)
 
-    # 2. Global norm: shards are disjoint, replicated leaves count once.
-    sq_shard = sum((jnp.sum(jnp.square(g[i])) for i in layout.indices(lay.SHARD)),
-                   jnp.float32(0))
-    sq_rep = sum((jnp.sum(jnp.square(g[i])) for i in layout.indices(lay.REPLICATE)),
-                 jnp.float32(0))
-    g_norm = jnp.sqrt(jax.lax.psum(sq_shard.astype(jnp.float32), axis)
-                      + sq_rep.astype(jnp.float32))
+    # 2. Global norm of the averaged gradient: shards are disjoint, replicated
+    # leaves count once.
+    sq = lambda kind: sum((jnp.sum(jnp.square(r[i].astype(jnp.float32)))
+                           for i in layout.indices(kind)), jnp.float32(0))
+    g_norm = jnp.sqrt(jax.lax.psum(sq(lay.SHARD), axis) + sq(lay.REPLICATE)) / denom
     if cfg.max_grad_norm is not None and cfg.clip_rule == "deepspeed":
-      # runtime/zero/stage_1_and_2.py: clip = max(1, (norm + 1e-6) / c)
+      # runtime/zero/stage_1_and_2.py: clip = max(1, (norm + 1e-6) / c); the
+      # gradients are divided by clip x loss scale.
       coef = jnp.maximum(jnp.float32(1), (g_norm + jnp.float32(1e-6))
                          / jnp.float32(cfg.max_grad_norm))
-      g = {i: v / coef.astype(v.dtype) for i, v in g.items()}
+      denom = denom * coef
     elif cfg.max_grad_norm is not None:
-      trigger = g_norm < cfg.max_grad_norm
-      g = {i: jax.lax.select(trigger, v,
-                             (v / g_norm.astype(v.dtype)) * cfg.max_grad_norm)
-           for i, v in g.items()}
+      # optax.clip_by_global_norm: g / norm * c once norm >= c.
+      denom = jnp.where(g_norm < cfg.max_grad_norm, denom,
+                        denom * (g_norm / jnp.float32(cfg.max_grad_norm)))
+    g = {i: v / denom.astype(v.dtype) for i, v in r.items()}
     skipped = (~jnp.isfinite(g_norm) if scaler.skips_on_overflow
                else jnp.bool_(False))
 
