@@ -33,22 +33,10 @@ import jax.numpy as jnp
 import optax
 
 from zero1_jax.core import collectives as col
+from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
 from zero1_jax.core import precision
-
-
-class Zero1State(NamedTuple):
-  """State of :func:`zero1`.
-
-  Globally, each ``master`` leaf of a sharded parameter has the parameter's
-  shape padded on its shard dim to a multiple of N and is sharded over the
-  data axis there; inside shard_map it is this device's ``shard_shape`` piece.
-  """
-
-  master: Any                            # param-shaped shards, master dtype; None at static
-                                         # leaves and where the param is in the master dtype
-  inner: optax.OptState                  # the wrapped optimizer's state over the master shards
-  loss_scale: precision.LossScaleState   # replicated scalars
+from zero1_jax.core.state import Zero1State, master_tree, stores_master
 
 
 class StepInfo(NamedTuple):
@@ -122,23 +110,6 @@ def _axis_size(axis_name: str) -> int:
 
 def _leaves_with_none(tree) -> list:
   return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-
-
-def stores_master(spec: lay.LeafSpec, master_dtype: Any) -> bool:
-  """Whether a leaf keeps a separate master shard in :class:`Zero1State`:
-  floating (not static) and not already in ``master_dtype``. A parameter in
-  the master dtype is replicated and bitwise equal to its last update on
-  every device, so its own shard is the master."""
-  return (spec.kind != lay.STATIC
-          and jnp.dtype(spec.dtype) != jnp.dtype(master_dtype))
-
-
-def master_tree(layout: lay.Layout, master_dtype: Any, values) -> Any:
-  """``Zero1State.master`` from one value per leaf: None wherever
-  :func:`stores_master` is false."""
-  return layout.treedef.unflatten(
-      [v if stores_master(s, master_dtype) else None
-       for s, v in zip(layout.leaves, values)])
 
 
 def _check_master(state, layout: lay.Layout, master_dtype) -> list:
@@ -253,9 +224,11 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                       _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
+    if not jm.axis_bound(axis):   # plain jit / eager under a mesh
+      return jm.init(tx, lambda p: init_from(p, p), params)
     return init_from(params, params)
 
-  def apply_fn(grads, state: Zero1State, params):
+  def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL):
     layout = lay.plan(params, _axis_size(axis))
     n = layout.num_shards
     p_leaves = jax.tree.leaves(params)
@@ -268,11 +241,14 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
         int(cfg.gather_bucket_bytes or cfg.bucket_bytes))
 
     # 1. Reduce and unscale in the master dtype.
-    reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
-                                 all_reduce=cfg.reduce == "all_reduce")
-    reduced.update(col.psum_replicated(g_leaves, layout, axis))
+    if grads_are == jm.REDUCED:   # jit already summed them: no collective
+      reduced = jm.local_shards(g_leaves, layout, axis)
+    else:
+      reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
+                                   all_reduce=cfg.reduce == "all_reduce")
+      reduced.update(col.psum_replicated(g_leaves, layout, axis))
     scale = state.loss_scale.scale
-    denom = (scale * n).astype(cfg.master_dtype)
+    denom = (scale * (n if grads_are == jm.LOCAL else 1)).astype(cfg.master_dtype)
     g = {i: v.astype(cfg.master_dtype) / denom for i, v in reduced.items()}
 
     # 2. Global norm: shards are disjoint, replicated leaves count once.
@@ -337,7 +313,12 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     if params is None:
       raise ValueError("zero1: update needs params (call "
                        "tx.update(grads, state, params)).")
-    new_params, new_state, _ = apply_fn(grads, state, params)
+    if not jm.axis_bound(axis):   # plain jit / eager under a mesh
+      return jm.update(tx, update_as, grads, state, params)
+    return update_as(grads, state, params, jm.LOCAL)
+
+  def update_as(grads, state, params, grads_are):
+    new_params, new_state, _ = apply_fn(grads, state, params, grads_are)
 
     def diff(new, p):
       p = jnp.asarray(p)
