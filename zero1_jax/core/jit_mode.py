@@ -154,7 +154,7 @@ def init(tx: Any, init_in: Callable, params: Any) -> Any:
   specs = zspecs.state_specs(tx, shapes, n)
   f = jax.shard_map(init_in, mesh=mesh, in_specs=(_param_specs(params, axis),),
                     out_specs=specs, check_vma=False)
-  return f(params)
+  return jax.jit(f)(params)   # eager shard_map would dispatch op by op
 
 
 def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
@@ -175,7 +175,7 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
   f = jax.shard_map(lambda g, s, p: update_in(g, s, p, mode), mesh=mesh,
                     in_specs=(g_specs, s_specs, p_specs),
                     out_specs=(p_specs, s_specs), check_vma=False)
-  return f(grads, state, params)
+  return jax.jit(f)(grads, state, params)
 
 
 def reduced_params(params: Any, mesh: jax.sharding.Mesh | None = None, *,
