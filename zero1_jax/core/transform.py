@@ -198,6 +198,10 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     takes this device's local, unreduced gradients inside shard_map and
     returns full updates such that ``optax.apply_updates(params, updates)``
     gives the new weights (for bf16/fp16 params: the fp32 master cast).
+    Outside shard_map (plain ``jax.jit`` or eager, under ``jax.set_mesh`` or
+    on arrays placed on a mesh), ``init`` and ``update`` run through
+    :mod:`zero1_jax.core.jit_mode` and take the gradients ``jax.grad``
+    returns there.
 
   Example:
     >>> import optax, zero1_jax as z1
