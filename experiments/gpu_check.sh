@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark of experiments/bench.py on one real GPU (N = 1), plus the
 # bandwidth an Adam update reaches against the HBM roofline. About 3-5 minutes
-# on one H200; writes bench.json, tables.md and plots to $OUT (the device
+# on one H200; writes bench.json, tables.md, plots and overlap.txt to $OUT (the device
 # tool's output folder) or experiments/results/gpu.
 #
 #   bash experiments/gpu_check.sh                 # on a machine with a GPU
@@ -19,11 +19,22 @@ OUT_DIR="${OUT:-experiments/results/gpu}"
 mkdir -p "$OUT_DIR"
 HBM_TB_S="${HBM_TB_S:-4.8}"   # H200 SXM: 4.8 TB/s
 
+# z1.inspect.overlap of the bench's ZeRO-1 step (model size, sequence length,
+# global batch) on all visible devices: per collective, the compute it could
+# hide behind, read from the compiled HLO (N = 1: no collectives are left).
+overlap_step() {
+  timeout 240 "$PY" -c "import jax, sys, zero1_jax as z1; from experiments import bench_setup as bs; s, L, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]); n = jax.device_count(); built = bs.build('zero1_rs', bs.model(s, 'fp32', L), n, bs.device_batch(bs.batch(B, L), n)); print(f'z1.inspect.overlap: ZeRO-1 step, {s}, seq {L}, batch {B}, N={n} ({jax.default_backend()})'); print(z1.inspect.overlap_summary(z1.inspect.overlap(built.compiled)))" "$@" \
+    2>&1 | grep -v -i "warning" | tee "$OUT_DIR/overlap.txt"
+}
+
 if [ "${GPU_CHECK_DRY:-0}" = "1" ]; then
-  exec timeout 300 "$PY" -m experiments.bench --platform cpu --ns 1 \
+  timeout 300 "$PY" -m experiments.bench --platform cpu --ns 1 \
     --sections state,memory,speed,adam_bw --state-size xxs --speed-sizes xxs,xs \
     --ratio-sizes xxs,xs --seq-len 16 --global-batch 4 --per-device-batch 4 \
     --speed-budget 2 --adam-bw-psi 1048576 --hbm-tb-s "$HBM_TB_S" --out "$OUT_DIR"
+  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8" \
+    overlap_step xxs 16 8
+  exit 0
 fi
 
 "$PY" - <<'EOF'
@@ -43,3 +54,5 @@ timeout 290 "$PY" -m experiments.bench --platform gpu --ns 1 \
   --seq-len 128 --global-batch 32 --per-device-batch 32 --speed-budget 20 \
   --adam-bw-psi 268435456 --hbm-tb-s "$HBM_TB_S" --out "$OUT_DIR" \
   2>&1 | grep -v -i "warning" | tee "$OUT_DIR/gpu_check.log"
+
+overlap_step bert-small 128 32

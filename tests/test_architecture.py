@@ -23,7 +23,7 @@ ALLOWED = {
     "checkpoint": {"core", "checkpoint"},
     "flax": {"core"},
     "distributed": set(),
-    "inspect": set(),
+    "inspect": {"inspect"},
     "data": set(),
     "models": {"models"},
     "deepspeed": {"core", "checkpoint", "distributed", "inspect", "deepspeed"},

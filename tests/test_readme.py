@@ -41,7 +41,8 @@ def test_names_the_readme_uses_are_public():
                "flax.NnxTrainer", "checkpoint.Checkpointer",
                "checkpoint.export_params", "checkpoint.load_params",
                "distributed.initialize", "distributed.global_batch",
-               "inspect.collectives", "inspect.memory", "reduced_params"):
+               "inspect.collectives", "inspect.memory", "inspect.overlap",
+               "inspect.overlap_summary", "reduced_params"):
     obj = z1
     for part in name.split("."):
       obj = getattr(obj, part)

@@ -1,4 +1,8 @@
-"""Read what a compiled step costs: per-device memory and collectives.
+"""Read what a compiled step costs: per-device memory, collectives, overlap.
+
+``overlap`` (:mod:`zero1_jax.inspect.overlap_report`) says per collective
+what compute it could hide behind; :mod:`zero1_jax.inspect.hlo_graph` parses
+the HLO text.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -9,23 +13,18 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
-          "collective-permute")
+from zero1_jax.inspect.hlo_graph import (COLLECTIVES, group_size,
+                                         last_tuple_element, shape_bytes)
+from zero1_jax.inspect.overlap_report import (Overlap, hlo_overlap, overlap,
+                                             overlap_summary)
+
 _LINE = re.compile(r"=\s*(?P<out>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-                   r"(?P<kind>" + "|".join(_KINDS) + r")(?P<start>-start)?\(")
-_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-             "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-             "f64": 8, "c64": 8, "c128": 16}
+                   r"(?P<kind>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
 
 
 class Collective(NamedTuple):
@@ -34,41 +33,6 @@ class Collective(NamedTuple):
   bytes: int    # size of the full (unsharded) buffers they reduce or gather
   traffic: int  # ring volume per device in the ZeRO paper's units: all-reduce
                 # counts 2x its buffer, reduce-scatter and all-gather 1x
-
-
-def _bytes(shape_text: str) -> int:
-  total = 0
-  for dt, dims in _SHAPE.findall(shape_text):
-    size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-    total += size * _ITEMSIZE.get(dt, 4)
-  return total
-
-
-def _group_size(line: str) -> int:
-  m = _GROUPS_LIST.search(line)
-  if m:
-    return len([x for x in m.group(1).split(",") if x])
-  m = _GROUPS_IOTA.search(line)
-  if m:
-    return int(m.group(2))
-  m = _GROUPS_MESH.search(line)   # mesh['a'=4,'b'=2] {'a'}: the named axes
-  if m:
-    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
-  return 1
-
-
-def _last_element(tuple_text: str) -> str:
-  """The last top-level element of an HLO tuple shape ``(a, (b, c))``."""
-  depth, cut = 0, 1
-  for i, ch in enumerate(tuple_text):
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-    elif ch == "," and depth == 1:
-      cut = i + 1
-  return tuple_text[cut:-1]
 
 
 def hlo_collectives(hlo_text: str) -> dict[str, Collective]:
@@ -85,10 +49,10 @@ def hlo_collectives(hlo_text: str) -> dict[str, Collective]:
     kind, shape = m.group("kind"), m.group("out")
     if (m.group("start") and kind in ("all-gather", "reduce-scatter")
         and shape.startswith("(")):
-      shape = _last_element(shape)
-    size = _bytes(shape)
+      shape = last_tuple_element(shape)
+    size = shape_bytes(shape)
     if kind == "reduce-scatter":
-      size *= _group_size(line)   # the output is one device's piece
+      size *= group_size(line)   # the output is one device's piece
     c = out.setdefault(kind, [0, 0])
     c[0] += 1
     c[1] += size
