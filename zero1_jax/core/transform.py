@@ -34,22 +34,10 @@ import jax.numpy as jnp
 import optax
 
 from zero1_jax.core import collectives as col
+from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
 from zero1_jax.core import precision
-
-
-class Zero1State(NamedTuple):
-  """State of :func:`zero1`.
-
-  Globally, each ``master`` leaf of a sharded parameter has the parameter's
-  shape padded on its shard dim to a multiple of N and is sharded over the
-  data axis there; inside shard_map it is this device's ``shard_shape`` piece.
-  """
-
-  master: Any                            # param-shaped shards, master dtype; None at static
-                                         # leaves and where the param is in the master dtype
-  inner: optax.OptState                  # the wrapped optimizer's state over the master shards
-  loss_scale: precision.LossScaleState   # replicated scalars
+from zero1_jax.core.state import Zero1State, master_tree, stores_master
 
 
 class StepInfo(NamedTuple):
@@ -127,23 +115,6 @@ def _axis_size(axis_name: str) -> int:
 
 def _leaves_with_none(tree) -> list:
   return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-
-
-def stores_master(spec: lay.LeafSpec, master_dtype: Any) -> bool:
-  """Whether a leaf keeps a separate master shard in :class:`Zero1State`:
-  floating (not static) and not already in ``master_dtype``. A parameter in
-  the master dtype is replicated and bitwise equal to its last update on
-  every device, so its own shard is the master."""
-  return (spec.kind != lay.STATIC
-          and jnp.dtype(spec.dtype) != jnp.dtype(master_dtype))
-
-
-def master_tree(layout: lay.Layout, master_dtype: Any, values) -> Any:
-  """``Zero1State.master`` from one value per leaf: None wherever
-  :func:`stores_master` is false."""
-  return layout.treedef.unflatten(
-      [v if stores_master(s, master_dtype) else None
-       for s, v in zip(layout.leaves, values)])
 
 
 def _check_master(state, layout: lay.Layout, master_dtype) -> list:
@@ -237,6 +208,10 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     takes this device's local, unreduced gradients inside shard_map and
     returns full updates such that ``optax.apply_updates(params, updates)``
     gives the new weights (for bf16/fp16 params: the fp32 master cast).
+    Outside shard_map (plain ``jax.jit`` or eager, under ``jax.set_mesh`` or
+    on arrays placed on a mesh), ``init`` and ``update`` run through
+    :mod:`zero1_jax.core.jit_mode` and take the gradients ``jax.grad``
+    returns there.
 
   Example:
     >>> import optax, zero1_jax as z1
@@ -263,9 +238,11 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                       _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
+    if not jm.axis_bound(axis):   # plain jit / eager under a mesh
+      return jm.init(tx, lambda p: init_from(p, p), params)
     return init_from(params, params)
 
-  def apply_fn(grads, state: Zero1State, params):
+  def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL):
     layout = lay.plan(params, _axis_size(axis))
     n = layout.num_shards
     p_leaves = jax.tree.leaves(params)
@@ -284,12 +261,16 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     # one divided tree would make XLA write that tree out (it does not
     # duplicate divides into two consumers). A divide, not a multiply by the
     # reciprocal: bitwise what optax computes from pmean'd gradients.
-    reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
-                                 all_reduce=cfg.reduce == "all_reduce")
-    reduced.update(col.psum_replicated(g_leaves, layout, axis))
+    if grads_are == jm.REDUCED:   # jit already summed them: no collective
+      reduced = jm.local_shards(g_leaves, layout, axis)
+    else:
+      reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
+                                   all_reduce=cfg.reduce == "all_reduce")
+      reduced.update(col.psum_replicated(g_leaves, layout, axis))
     r = {i: v.astype(cfg.master_dtype) for i, v in reduced.items()}
     scale = state.loss_scale.scale
-    denom = (scale * n).astype(jnp.float32)
+    # jit's gradients are of the global mean loss already: no 1/N there.
+    denom = (scale * (n if grads_are == jm.LOCAL else 1)).astype(jnp.float32)
 
     # 2. Global norm of the averaged gradient: shards are disjoint, replicated
     # leaves count once.
@@ -352,7 +333,12 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     if params is None:
       raise ValueError("zero1: update needs params (call "
                        "tx.update(grads, state, params)).")
-    new_params, new_state, _ = apply_fn(grads, state, params)
+    if not jm.axis_bound(axis):   # plain jit / eager under a mesh
+      return jm.update(tx, update_as, grads, state, params)
+    return update_as(grads, state, params, jm.LOCAL)
+
+  def update_as(grads, state, params, grads_are):
+    new_params, new_state, _ = apply_fn(grads, state, params, grads_are)
 
     def diff(new, p):
       p = jnp.asarray(p)
