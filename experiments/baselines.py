@@ -207,3 +207,44 @@ def gspmd_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
       return self._get(batch).lower(params, state, batch)
 
   return _Step()
+
+
+# ------------------------------------------------------------------- floor
+
+
+def floor_init(params: Any, mesh: jax.sharding.Mesh) -> tuple[Any, None]:
+  """Replicated params and no optimizer state (see :func:`floor_train_step`)."""
+  rep = NamedSharding(mesh, P())
+  return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=rep)(params), None
+
+
+def floor_train_step(loss_fn: Callable, mesh: jax.sharding.Mesh, *,
+                     axis: str = AXIS, lr: float = 1e-4,
+                     donate: bool = True) -> Callable:
+  """The no-communication floor: forward, backward and a local SGD step on
+  each device's own batch shard, with no collective at all (the devices'
+  params drift apart; only its time and memory are meaningful). Every
+  data-parallel method does at least this much work; its overhead is what it
+  costs above it. Jitted ``(params, None, batch) -> (params, None, {"loss"})``.
+  """
+
+  def per_device(params, batch):
+    local = jax.tree.map(
+        lambda x: jax.lax.pcast(x, axis, to="varying") if _floating(x) else x, params)
+    loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+    new = jax.tree.map(lambda p, g: (p - lr * g).astype(p.dtype) if _floating(p) else p,
+                       params, grads)
+    return new, loss
+
+  def step(params, state, batch):
+    rep = jax.tree.map(lambda _: P(), params)
+    bs = jax.tree.map(lambda _: P(axis), batch)
+    batch = jax.tree.map(lambda x: _constrain(x, NamedSharding(mesh, P(axis))), batch)
+    # Outputs declared replicated though they differ per device: nothing is
+    # communicated, which is the point (check_vma=False lets it through).
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, bs),
+                      out_specs=(rep, P()), check_vma=False)
+    new, loss = f(params, batch)
+    return new, state, {"loss": loss}    # device 0's loss
+
+  return jax.jit(step, donate_argnums=(0,) if donate else ())

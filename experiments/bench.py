@@ -26,6 +26,9 @@ plain JSON-able dicts):
 * :func:`speed_section`: interleaved step times (median of repeats) at the
   largest N for several model sizes, and how time and memory grow with Psi;
 * :func:`bucket_section`: collective count and step time vs ``bucket_bytes``;
+* :func:`overhead_section` (:mod:`experiments.bench_overhead`): each method's
+  step time above the no-communication floor, peaks, and the bytes each step
+  writes (from the optimized HLO), at N = 2 and 8;
 * :func:`adam_bandwidth_section` (``--adam-bw``): bytes an Adam update moves
   per second vs the memory roofline (for the GPU check).
 
@@ -75,6 +78,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 # Re-exported: tests, scripts and docs use them as ``experiments.bench.<name>``.
+from experiments.bench_overhead import overhead_section  # noqa: E402,F401
 from experiments.bench_plots import plots  # noqa: E402,F401
 from experiments.bench_report import tables, targets  # noqa: E402,F401
 from experiments.bench_sections import (  # noqa: E402,F401
@@ -101,7 +105,7 @@ def _jsonable(x):
 def run(plan: Plan, out: str | None = None, sections: tuple[str, ...] | None = None,
         log=print) -> dict:
   """Runs the sections of ``plan``; writes json, tables and plots to ``out``."""
-  sections = sections or ("state", "memory", "speed", "buckets") + (
+  sections = sections or ("state", "memory", "speed", "overhead", "buckets") + (
       ("adam_bw",) if plan.adam_bw_psi else ())
   t_all = time.perf_counter()
   res: dict[str, Any] = {"plan": dataclasses.asdict(plan), "timing_s": {}}
@@ -123,6 +127,8 @@ def run(plan: Plan, out: str | None = None, sections: tuple[str, ...] | None = N
       ("state", "state bytes", lambda p, l: {"state": state_section(p, l)}),
       ("memory", "compiled memory and collectives", memory_and_collectives),
       ("speed", "step times", lambda p, l: {"speed": speed_section(p, l)}),
+      ("overhead", "overhead above the floor",
+       lambda p, l: {"overhead": overhead_section(p, l)}),
       ("buckets", "bucket sweep", lambda p, l: {"buckets": bucket_section(p, l)}),
       ("adam_bw", "adam bandwidth",
        lambda p, l: {"adam_bw": adam_bandwidth_section(p, l)}),
@@ -156,7 +162,7 @@ def main(argv=None) -> dict:
                        "else to use jax's default backend as is")
   ap.add_argument("--ns", default=None, help="comma list of device counts, e.g. 1,2,4,8")
   ap.add_argument("--sections", default=None,
-                  help="comma list of: state,memory,speed,buckets,adam_bw")
+                  help="comma list of: state,memory,speed,overhead,buckets,adam_bw")
   ap.add_argument("--state-size", default=None, choices=sorted(SIZES))
   ap.add_argument("--speed-sizes", default=None, help="comma list of model sizes")
   ap.add_argument("--ratio-sizes", default=None, help="comma list of model sizes")

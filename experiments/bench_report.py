@@ -6,6 +6,8 @@ as Markdown tables.
 """
 from __future__ import annotations
 
+from experiments.bench_overhead import overhead_table, overhead_targets
+
 
 # ------------------------------------------------------------------ targets
 
@@ -66,7 +68,7 @@ def targets(res: dict) -> list[dict]:
                       value=by["zero1_rs"]["peak"] / by["gspmd"]["peak"],
                       detail=f"{by['zero1_rs']['peak']} B vs {by['gspmd']['peak']} B",
                       met=by["zero1_rs"]["peak"] <= by["gspmd"]["peak"]))
-  return out
+  return out + overhead_targets(res.get("overhead", []))
 
 
 # ------------------------------------------------------------------ output
@@ -172,6 +174,7 @@ def tables(res: dict) -> str:
     lines += ["", "Ratios: median over rounds of the per-round ratio (in brackets: ratio of "
               "the medians). Each round runs every method once, back to back, in a rotating "
               "order.", ""]
+  lines += overhead_table(res.get("overhead", []))
   bk = res.get("buckets")
   if bk:
     lines += [f"### Bucket size sweep: ZeRO-1 reduce-scatter, model `{bk['size']}` "

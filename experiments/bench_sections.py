@@ -215,13 +215,15 @@ def speed_section(plan: Plan, log=print) -> list[dict]:
 
 
 def bucket_section(plan: Plan, log=print) -> dict:
-  """ZeRO-1 (reduce-scatter) collective count and step time vs bucket_bytes,
-  timed interleaved with DDP as the reference."""
+  """ZeRO-1 (reduce-scatter) collective count and step time vs bucket_bytes
+  with every leaf packed into buckets (``inplace_bytes=None``), timed
+  interleaved with DDP as the reference."""
   n = max(plan.ns)
   m = model(plan.bucket_size, "fp32", plan.seq_len)
   batches = [device_batch(batch(plan.global_batch, plan.seq_len, s), n) for s in range(4)]
-  builts = {f"b{bb}": build("zero1_rs", m, n, batches[0], bucket_bytes=bb)
-            for bb in plan.buckets}
+  # Every leaf packed (inplace_bytes=None): what bucket_bytes alone does.
+  builts = {f"b{bb}": build("zero1_rs", m, n, batches[0], bucket_bytes=bb,
+                            inplace_bytes=None) for bb in plan.buckets}
   builts["ddp"] = build("ddp", m, n, batches[0], keep=True)
   times = time_interleaved(builts, batches, plan)
   padded = 4 * n * sum(l.shard_size for l in z1.plan(m.params, n).leaves

@@ -23,10 +23,13 @@ from zero1_jax import data
 from zero1_jax.models import bert
 
 METHODS = ("zero1_rs", "zero1_ar", "ddp", "gspmd")
+# The no-communication floor (fwd + bwd + local SGD): built by the overhead
+# section only, since it trains nothing useful.
+FLOOR = "floor"
 LABELS = {"zero1_rs": "ZeRO-1 (reduce-scatter)", "zero1_ar": "ZeRO-1 (all-reduce)",
-          "ddp": "DDP", "gspmd": "GSPMD"}
+          "ddp": "DDP", "gspmd": "GSPMD", FLOOR: "floor (no communication)"}
 COLORS = {"zero1_rs": "tab:blue", "zero1_ar": "tab:cyan", "ddp": "tab:red",
-          "gspmd": "tab:green"}
+          "gspmd": "tab:green", FLOOR: "tab:gray"}
 K = 12  # ZeRO paper: bytes of Adam state per parameter (fp32 master, mu, nu)
 
 # Small BERTs (custom ``make_config`` overrides of bert-tiny; head_dim 64 or
@@ -43,6 +46,7 @@ SIZES: dict[str, dict[str, int]] = {
 }
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 DEFAULT_BUCKET = 1 << 26
+DEFAULT_INPLACE = z1.Zero1Config("data").inplace_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +67,12 @@ class Plan:
   min_rounds: int = 7
   max_rounds: int = 41
   warmup: int = 2
+  overhead_ns: tuple[int, ...] = (2, 8)   # overhead-above-the-floor section
   adam_bw_psi: int = 0               # 0: skip the Adam bandwidth section
   hbm_tb_s: float = 4.8              # roofline for adam_bw (H200: 4.8 TB/s)
 
 
-QUICK = Plan(ns=(1, 8), state_size="xxs", speed_sizes=("xxs", "xs"),
+QUICK = Plan(ns=(1, 8), overhead_ns=(2,), state_size="xxs", speed_sizes=("xxs", "xs"),
              ratio_sizes=("xxs", "xs"), bucket_size="xxs",
              buckets=(1 << 14, DEFAULT_BUCKET), seq_len=16, per_device_batch=1,
              global_batch=8, dtypes=("fp32",), speed_budget_s=2.0,
@@ -153,32 +158,36 @@ class Built:
 _BUILT: dict[tuple, Built] = {}
 
 
-def _key(method, m: Model, n, b, bucket_bytes):
+def _key(method, m: Model, n, b, bucket_bytes, inplace_bytes):
   shapes = tuple(sorted((k, np.shape(v)) for k, v in b.items()))
-  return (method, m.size, m.dtype, m.cfg.max_len, n, shapes, bucket_bytes)
+  return (method, m.size, m.dtype, m.cfg.max_len, n, shapes, bucket_bytes, inplace_bytes)
 
 
 def build(method: str, m: Model, n: int, b, bucket_bytes: int = DEFAULT_BUCKET,
-          keep: bool = False) -> Built:
+          keep: bool = False, inplace_bytes: int | None = DEFAULT_INPLACE) -> Built:
   """Initialises ``method`` for model ``m`` on N devices and compiles its step.
 
   ``keep``: remember the result so a later section with the same model, N and
   batch shape reuses it (its params and state have moved on; shapes have not).
+  ``bucket_bytes`` / ``inplace_bytes``: ZeRO's, see
+  :func:`zero1_jax.core.layout.plan_buckets`.
   """
-  key = _key(method, m, n, b, bucket_bytes)
+  key = _key(method, m, n, b, bucket_bytes, inplace_bytes)
   if key in _BUILT:
     return _BUILT[key]
-  built = _build(method, m, n, b, bucket_bytes)
+  built = _build(method, m, n, b, bucket_bytes, inplace_bytes)
   if keep:
     _BUILT[key] = built
   return built
 
 
-def _build(method: str, m: Model, n: int, b, bucket_bytes: int) -> Built:
+def _build(method: str, m: Model, n: int, b, bucket_bytes: int,
+           inplace_bytes: int | None) -> Built:
   mesh = make_mesh(n)
   t0 = time.perf_counter()
   if method in ("zero1_rs", "zero1_ar"):
     tx = z1.zero1(optimizer(), axis_name="data", bucket_bytes=bucket_bytes,
+                  inplace_bytes=inplace_bytes,
                   reduce="reduce_scatter" if method == "zero1_rs" else "all_reduce")
     p, s = z1.init(tx, m.params, mesh)
     step = z1.train_step(m.loss_fn, tx, mesh)
@@ -188,8 +197,11 @@ def _build(method: str, m: Model, n: int, b, bucket_bytes: int) -> Built:
   elif method == "gspmd":
     p, s = bl.gspmd_init(optimizer(), m.params, mesh)
     step = bl.gspmd_train_step(m.loss_fn, optimizer(), mesh, m.params)
+  elif method == FLOOR:
+    p, s = bl.floor_init(m.params, mesh)
+    step = bl.floor_train_step(m.loss_fn, mesh)
   else:
-    raise ValueError(f"unknown method {method!r}; one of {METHODS}")
+    raise ValueError(f"unknown method {method!r}; one of {METHODS + (FLOOR,)}")
   compiled = step.lower(p, s, b).compile()
   return Built(method, n, compiled, p, s, time.perf_counter() - t0)
 

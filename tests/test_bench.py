@@ -24,7 +24,8 @@ PLAN = bench.Plan(ns=(2,), state_size="test", speed_sizes=("test",),
                   ratio_sizes=("test",), bucket_size="test",
                   buckets=(1 << 12, bench.DEFAULT_BUCKET), seq_len=8,
                   per_device_batch=1, global_batch=2, dtypes=("fp32", "bf16"),
-                  speed_budget_s=0.0, min_rounds=2, max_rounds=2, warmup=1)
+                  speed_budget_s=0.0, min_rounds=2, max_rounds=2, warmup=1,
+                  overhead_ns=(2,))
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def result(tmp_path_factory):
   # state in both dtypes; the costly compiles (memory, collectives) in fp32 only
   res = bench.run(PLAN, out=None, sections=("state",), log=lambda *_: None)
   plan2 = bench.dataclasses.replace(PLAN, dtypes=("fp32",))
-  res2 = bench.run(plan2, out=out, sections=("memory", "speed", "buckets"),
+  res2 = bench.run(plan2, out=out, sections=("memory", "speed", "overhead", "buckets"),
                    log=lambda *_: None)
   res2["state"] = res["state"]
   yield res2, out
@@ -108,6 +109,49 @@ def test_speed_buckets_targets_and_outputs(result):
                "memory_vs_n.png"):
     assert os.path.getsize(os.path.join(out, name)) > 0
   assert "| zero1_rs |" in bench.tables(res)
+
+
+def test_overhead_section_measures_above_the_floor(result):
+  """The floor communicates nothing; ZeRO-1 in place writes fewer bytes than
+  with every leaf packed (the bucket copy and the unpacking slices are gone);
+  the report carries the overhead targets."""
+  res, out = result
+  (r,) = res["overhead"]
+  assert r["n"] == 2 and set(r["overhead_ms"]) == {"zero1_rs", "zero1_packed", "ddp", "gspmd"}
+  floor = bench.build("floor", bench.model("test", "fp32", PLAN.seq_len), 2,
+                      bench.device_batch(bench.batch(2, PLAN.seq_len), 2))
+  assert z1.inspect.collectives(floor.compiled) == {}
+  assert r["written"]["zero1_rs"] < r["written"]["zero1_packed"]
+  assert r["written"]["floor"] < r["written"]["ddp"]
+  names = [t["target"] for t in res["targets"]]
+  assert any("overhead above the floor" in n for n in names)
+  assert any("floor peak" in n for n in names)
+  with open(os.path.join(out, "tables.md")) as f:
+    assert "| 2 | zero1_packed |" in f.read()
+
+
+def test_hlo_bytes_counts_buffers_not_views():
+  from experiments.hlo_bytes import written
+  hlo = """HloModule m
+
+%f (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%a)
+}
+
+ENTRY %main (p: f32[4], q: f32[2,3]) -> (f32[4], f32[8]) {
+  %p = f32[4]{0} parameter(0)
+  %q = f32[2,3]{1,0} parameter(1)
+  %b = f32[4]{0} bitcast(%p)
+  %fusion.1 = f32[4]{0} fusion(%b), kind=kLoop, calls=%f
+  %all-gather = f32[8]{0} all-gather(%fusion.1), dimensions={0}
+  %t = (f32[4]{0}, f32[8]{0}) tuple(%fusion.1, %all-gather)
+  ROOT %g = f32[4]{0} get-tuple-element(%t), index=0
+}
+"""
+  w = written(hlo)
+  assert w.total == 16 + 32          # the fusion and the all-gather only
+  assert w.by_op == {"fusion:fusion": 16, "all-gather": 32}
 
 
 def test_baselines_train_like_optax():

@@ -47,26 +47,41 @@ def _tree():
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("bucket_bytes", [16, 100, 1000, 1 << 30])
-def test_buckets_cover_every_shard_element_once_within_the_bucket_rule(n, bucket_bytes):
+@pytest.mark.parametrize("inplace_bytes", [None, 0, 150])
+def test_buckets_cover_every_shard_element_once_within_the_bucket_rule(
+    n, bucket_bytes, inplace_bytes):
   layout = lay.plan(_tree(), n)
   dtypes = tuple(l.dtype for l in layout.leaves)
-  buckets = lay.plan_buckets(layout, dtypes, bucket_bytes)
+  buckets = lay.plan_buckets(layout, dtypes, bucket_bytes, inplace_bytes)
   seen = {i: np.zeros(l.shard_size, int) for i, l in enumerate(layout.leaves)
           if l.kind == lay.SHARD}
+
+  def alone(l):   # travels in place: all N pieces >= inplace_bytes
+    return inplace_bytes is not None and \
+        n * l.shard_size * l.dtype.itemsize >= inplace_bytes
+
   for b in buckets:
-    assert n * b.length * b.dtype.itemsize <= max(bucket_bytes, n * b.dtype.itemsize)
+    i = b.whole_leaf(layout)
+    if i is not None and alone(layout.leaves[i]):
+      assert b.segments == (lay.Segment(i, 0, layout.leaves[i].shard_size),)
+    else:
+      assert n * b.length * b.dtype.itemsize <= max(bucket_bytes, n * b.dtype.itemsize)
     for s in b.segments:
       assert layout.leaves[s.leaf].dtype == b.dtype
+      assert not alone(layout.leaves[s.leaf]) or len(b.segments) == 1
       seen[s.leaf][s.start:s.start + s.length] += 1
   assert all((v == 1).all() for v in seen.values())
-  # Collective count: ceil(bytes / bucket_bytes) per dtype group.
+  # Collective count: one per in-place leaf, plus ceil(bytes / bucket_bytes)
+  # per dtype group for the packed ones.
   want = 0
   for dt in {l.dtype for l in layout.leaves if l.kind == lay.SHARD}:
-    per_dev = sum(l.shard_size for l in layout.leaves
-                  if l.kind == lay.SHARD and l.dtype == dt)
+    group = [l for l in layout.leaves if l.kind == lay.SHARD and l.dtype == dt]
+    per_dev = sum(l.shard_size for l in group if not alone(l))
     cap = max(1, bucket_bytes // (n * dt.itemsize))
-    want += -(-per_dev // cap)
+    want += -(-per_dev // cap) + sum(alone(l) for l in group)
   assert len(buckets) == want
+  if inplace_bytes == 0:
+    assert all(b.whole_leaf(layout) is not None for b in buckets)
 
 
 def test_plan_is_cached_and_rejects_bad_n():

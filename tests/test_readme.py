@@ -42,8 +42,24 @@ def test_names_the_readme_uses_are_public():
                "checkpoint.export_params", "checkpoint.load_params",
                "distributed.initialize", "distributed.global_batch",
                "inspect.collectives", "inspect.memory", "inspect.overlap",
-               "inspect.overlap_summary"):
+               "inspect.overlap_summary", "reduced_params"):
     obj = z1
     for part in name.split("."):
       obj = getattr(obj, part)
   assert set(z1.__all__) <= set(dir(z1))
+
+
+def test_readme_plain_jit_example_runs(capsys):
+  """The plain-jit block (flax TrainState, plain and reduced params): both
+  train, and the reduced run's step has no full-size all-reduce."""
+  text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+  example = next(b for b in blocks if "z1.reduced_params(" in b)
+  exec(compile(example, "README.md", "exec"), {})
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 2, lines
+  (loss_plain, coll_plain), (loss_red, coll_red) = (
+      l.split(" ", 1) for l in lines)
+  assert float(loss_plain) < 0.05 and float(loss_red) < 0.05, lines
+  assert "all-reduce" in coll_plain and "reduce-scatter" not in coll_plain
+  assert "reduce-scatter" in coll_red and "all-reduce" not in coll_red

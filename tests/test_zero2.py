@@ -4,10 +4,11 @@
   ``exact_loss`` has dyadic gradients, exact in fp32/bf16/fp16 in any
   summation order, so stage 2's order (reduce each micro-batch, then sum the
   shards) and stage 1's (sum the micro-batches, then reduce) give the same
-  bits. Params, stored master, inner state, loss scale and metrics are
-  compared at N=1,2,4,8, accumulation 1 and 4, fp32/bf16/fp16 params (fp16
-  with dynamic loss scaling and an overflowing step), with clipping, on odd
-  shapes with a scalar, a zero-size and an integer leaf.
+  bits. Params, loss scale and metrics are compared bitwise (the optimizer
+  state within 1e-6: see assert_same_run) at N=1,2,4,8, accumulation 1 and
+  4, fp32/bf16/fp16 params (fp16 with dynamic loss scaling and an
+  overflowing step), with clipping, on odd shapes with a scalar, a zero-size
+  and an integer leaf.
 * Within 1e-6 of ZeRO-1 on a tanh model with random fp32 data, where the two
   summation orders round differently (measured 6e-8 at N=2, N=8).
 * Compiled per-device memory at N=8: with 4-step accumulation stage 2's peak
@@ -53,11 +54,24 @@ def run(make, params, batches, n, accum, loss, **kw):
 
 
 def assert_same_run(got, want, what):
+  """Params and metrics bitwise; optimizer state bitwise on integer leaves
+  and within 1e-6 (of each leaf's largest value) on floating ones.
+
+  Why not bitwise state: the reduced gradients are bitwise equal (params
+  after 3 Adam steps are), but stage 1 slices small leaves out of packed
+  buckets while stage 2 reduces them one by one, so XLA fuses the inner
+  update of those leaves differently and rounds some elements of the bias
+  moments and masters 1 ulp apart (measured: at most 9.3e-8 relative).
+  """
   (p2, s2, m2), (p1, s1, m1) = got, want
   assert_equal(p2, p1, f"{what} params ")
-  assert_equal(jax.tree.map(np.asarray, s2), jax.tree.map(np.asarray, s1),
-               f"{what} opt_state ")
   assert_equal(m2, m1, f"{what} metrics ")
+  s2, s1 = jax.tree.map(np.asarray, s2), jax.tree.map(np.asarray, s1)
+  is_float = lambda x: np.issubdtype(x.dtype, np.floating)
+  assert_equal(*[jax.tree.map(lambda x: None if is_float(x) else x, t)
+                 for t in (s2, s1)], f"{what} opt_state ")
+  assert_close(*[jax.tree.map(lambda x: x if is_float(x) else None, t)
+                 for t in (s2, s1)], 1e-6, f"{what} opt_state ")
 
 
 @pytest.mark.parametrize("n,accum,dtype", [

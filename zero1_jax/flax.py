@@ -18,10 +18,13 @@ the shard_map specs::
     step = jax.jit(jax.shard_map(per_device, mesh=mesh,
                                  in_specs=(specs, P("data")), out_specs=specs))
 
-nnx: ``nnx.Optimizer`` calls ``tx.init`` eagerly at construction, outside any
-shard_map, so it cannot build sharded state. :class:`NnxTrainer` is the small
-adapter: it splits the model into its ``wrt`` variables and the rest, trains
-the former with :func:`zero1_jax.train_step`, and writes them back::
+Outside shard_map flax's own ``TrainState`` and ``nnx.Optimizer(model, tx)``
+work unchanged in plain ``jax.jit`` code under ``jax.set_mesh`` (see
+:mod:`zero1_jax.core.jit_mode`); this module is for shard_map steps.
+
+nnx: :class:`NnxTrainer` trains with :func:`zero1_jax.train_step`: it splits
+the model into its ``wrt`` variables and the rest, trains the former, and
+writes them back::
 
     trainer = z1.flax.NnxTrainer(model, tx, mesh, loss_fn)   # loss_fn(model, batch)
     metrics = trainer.train_step(batch)

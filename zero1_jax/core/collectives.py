@@ -84,8 +84,14 @@ def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
   n = layout.num_shards
   views: dict[int, jax.Array] = {}
   pieces: dict[int, list[jax.Array]] = {}
+  whole: dict[int, jax.Array] = {}
   me = jax.lax.axis_index(axis_name) if all_reduce else None
   for b in buckets:
+    i = b.whole_leaf(layout)
+    if i is not None:
+      whole[i] = _reduce_leaf(grads[i].astype(b.dtype), layout.leaves[i],
+                              axis_name, all_reduce)
+      continue
     cols = []
     for s in b.segments:
       if s.leaf not in views:
@@ -103,7 +109,32 @@ def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
     for s in b.segments:
       pieces.setdefault(s.leaf, []).append(mine[at:at + s.length])
       at += s.length
-  return _split_shards(pieces, layout)
+  return {**_split_shards(pieces, layout), **whole}
+
+
+def _pad_to_shards(x: jax.Array, spec: LeafSpec) -> jax.Array:
+  extra = spec.padded_shape[spec.dim] - spec.shape[spec.dim]
+  if not extra:
+    return x
+  pads = [(0, 0)] * x.ndim
+  pads[spec.dim] = (0, extra)
+  return jnp.pad(x, pads)
+
+
+def _reduce_leaf(g: jax.Array, spec: LeafSpec, axis_name: str,
+                 all_reduce: bool) -> jax.Array:
+  """One leaf's collective on the leaf itself: reduce-scatter along its shard
+  dim (a copy only if the dim needs padding), or psum and this device's rows."""
+  if all_reduce:
+    return local_shard(jax.lax.psum(g, axis_name), spec, axis_name)
+  return jax.lax.psum_scatter(_pad_to_shards(g, spec), axis_name,
+                              scatter_dimension=spec.dim, tiled=True)
+
+
+def _gather_leaf(shard: jax.Array, spec: LeafSpec, axis_name: str) -> jax.Array:
+  full = jax.lax.all_gather(shard, axis_name, axis=spec.dim, tiled=True,
+                            to="invarying")
+  return jax.lax.slice_in_dim(full, 0, spec.shape[spec.dim], axis=spec.dim)
 
 
 def all_gather(shards: dict[int, jax.Array], layout: Layout,
@@ -117,7 +148,12 @@ def all_gather(shards: dict[int, jax.Array], layout: Layout,
   """
   n = layout.num_shards
   cols: dict[int, list[jax.Array]] = {}
+  out = {}
   for b in buckets:
+    i = b.whole_leaf(layout)
+    if i is not None:
+      out[i] = _gather_leaf(shards[i], layout.leaves[i], axis_name)
+      continue
     parts = [shards[s.leaf].reshape(-1)[s.start:s.start + s.length]
              for s in b.segments]
     buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -127,7 +163,6 @@ def all_gather(shards: dict[int, jax.Array], layout: Layout,
     for s in b.segments:
       cols.setdefault(s.leaf, []).append(full[:, at:at + s.length])
       at += s.length
-  out = {}
   for i, c in cols.items():
     m = c[0] if len(c) == 1 else jnp.concatenate(c, axis=1)
     out[i] = from_rank_major(m, layout.leaves[i], n)

@@ -82,6 +82,15 @@ class Bucket(NamedTuple):
   def length(self) -> int:
     return sum(s.length for s in self.segments)
 
+  def whole_leaf(self, layout: "Layout") -> int | None:
+    """The leaf this bucket is, when it holds exactly one whole leaf (its
+    collective then runs on the leaf itself, with no bucket copy); else None."""
+    if len(self.segments) != 1:
+      return None
+    s = self.segments[0]
+    whole = s.start == 0 and s.length == layout.leaves[s.leaf].shard_size
+    return s.leaf if whole else None
+
 
 class Layout(NamedTuple):
   """The split of a parameter tree over ``num_shards`` devices."""
@@ -166,22 +175,34 @@ def plan(tree: Any, num_shards: int) -> Layout:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_buckets(layout: Layout, dtypes: tuple, bucket_bytes: int
-                 ) -> tuple[Bucket, ...]:
+def plan_buckets(layout: Layout, dtypes: tuple, bucket_bytes: int,
+                 inplace_bytes: int | None = None) -> tuple[Bucket, ...]:
   """Cuts the per-device shard vector of each dtype into buckets.
 
   ``dtypes[i]`` is the dtype leaf ``i`` travels in (the gradient dtype for the
-  reduce, the parameter dtype for the gather). A bucket holds at most
-  ``bucket_bytes`` over all N devices, so a dtype group of ``B`` bytes
-  (N times its per-device shard bytes) takes exactly ``ceil(B / bucket_bytes)``
-  collectives; leaves larger than a bucket are cut across buckets.
+  reduce, the parameter dtype for the gather).
+
+  A leaf of at least ``inplace_bytes`` (over all N devices) travels alone, in
+  place: its bucket is the whole leaf, never cut, and its collective runs on
+  the gradient (or master shard) itself, so no bucket copy is written. The
+  other leaves (``inplace_bytes=None``: all of them) are packed: a packed
+  bucket holds at most ``bucket_bytes`` over all N devices, so a dtype group
+  of ``B`` packed bytes (N times its per-device shard bytes) takes exactly
+  ``ceil(B / bucket_bytes)`` collectives; leaves larger than a bucket are cut
+  across buckets. Packing is a copy: worth it only for leaves so small that
+  a collective each would cost more in latency.
   """
   n = layout.num_shards
   groups: dict[np.dtype, list[int]] = {}
-  for i, l in enumerate(layout.leaves):
-    if l.kind == SHARD:
-      groups.setdefault(np.dtype(dtypes[i]), []).append(i)
   buckets = []
+  for i, l in enumerate(layout.leaves):
+    if l.kind != SHARD:
+      continue
+    dt = np.dtype(dtypes[i])
+    if inplace_bytes is not None and n * l.shard_size * dt.itemsize >= inplace_bytes:
+      buckets.append(Bucket(dt, (Segment(i, 0, l.shard_size),)))
+    else:
+      groups.setdefault(dt, []).append(i)
   for dtype, idx in groups.items():
     cap = max(1, int(bucket_bytes) // (n * dtype.itemsize))
     segs: list[Segment] = []

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import layout as lay
 from zero1_jax.core import precision
-from zero1_jax.core.transform import Zero1State, Zero1Transformation, master_tree
+from zero1_jax.core.state import Zero1State, master_tree
 
 
 def _spec(dim: int, ndim: int, axis: str) -> P:
@@ -25,8 +25,9 @@ def _spec(dim: int, ndim: int, axis: str) -> P:
   return P(*parts)
 
 
-def state_specs(tx: Zero1Transformation, params: Any, num_shards: int) -> Zero1State:
-  """PartitionSpecs of ``tx``'s state for ``params`` over ``num_shards``."""
+def state_specs(tx: Any, params: Any, num_shards: int) -> Zero1State:
+  """PartitionSpecs of ``tx``'s state (``tx`` from :func:`zero1_jax.zero1`)
+  for ``params`` over ``num_shards``."""
   axis = tx.config.axis_name
   layout = lay.plan(params, num_shards)
   mdt = tx.config.master_dtype

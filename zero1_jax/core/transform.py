@@ -12,11 +12,12 @@ bytes per parameter / N). Only parameters in another dtype (bf16, fp16) keep
 a sharded master copy in the master dtype (12 bytes / N with Adam).
 
 One ``update`` (inside ``shard_map`` over ``axis_name``):
-  1. reduce the local gradients: bucketed ``psum_scatter`` (or ``psum`` and a
-     slice on the all-reduce path), then divide by N and the loss scale in the
-     master dtype;
+  1. reduce the local gradients: ``psum_scatter`` (or ``psum`` and a slice on
+     the all-reduce path), in place on each large leaf and bucketed for small
+     ones (:func:`zero1_jax.core.layout.plan_buckets`);
   2. global grad norm from the shards (one scalar ``psum``): clipping and
-     overflow detection both use it;
+     overflow detection both use it; averaging over N, unscaling and clipping
+     fold into one scalar divisor of the sums, fused into the update;
   3. the inner optimizer updates the master shard (the stored one, or the
      parameter's own shard); an overflowing step keeps the old master and
      inner state on every device;
@@ -33,22 +34,10 @@ import jax.numpy as jnp
 import optax
 
 from zero1_jax.core import collectives as col
+from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
 from zero1_jax.core import precision
-
-
-class Zero1State(NamedTuple):
-  """State of :func:`zero1`.
-
-  Globally, each ``master`` leaf of a sharded parameter has the parameter's
-  shape padded on its shard dim to a multiple of N and is sharded over the
-  data axis there; inside shard_map it is this device's ``shard_shape`` piece.
-  """
-
-  master: Any                            # param-shaped shards, master dtype; None at static
-                                         # leaves and where the param is in the master dtype
-  inner: optax.OptState                  # the wrapped optimizer's state over the master shards
-  loss_scale: precision.LossScaleState   # replicated scalars
+from zero1_jax.core.state import Zero1State, master_tree, stores_master
 
 
 class StepInfo(NamedTuple):
@@ -69,6 +58,7 @@ class Zero1Config:
   reduce_dtype: Any = None
   check_elementwise: bool = True
   clip_rule: str = "optax"
+  inplace_bytes: int | None = 1 << 16
   stage: int = 1   # 2: train_step reduces gradients in the backward (zero2.py)
 
   def __post_init__(self):
@@ -77,6 +67,9 @@ class Zero1Config:
     if self.reduce not in ("reduce_scatter", "all_reduce"):
       raise ValueError(f"reduce must be 'reduce_scatter' or 'all_reduce', got "
                        f"{self.reduce!r}")
+    if self.inplace_bytes is not None and int(self.inplace_bytes) < 0:
+      raise ValueError(f"inplace_bytes must be >= 0 (or None to pack every "
+                       f"leaf), got {self.inplace_bytes}")
     for name in ("bucket_bytes", "gather_bucket_bytes"):
       v = getattr(self, name)
       if v is not None and int(v) < 1:
@@ -127,23 +120,6 @@ def _axis_size(axis_name: str) -> int:
 
 def _leaves_with_none(tree) -> list:
   return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-
-
-def stores_master(spec: lay.LeafSpec, master_dtype: Any) -> bool:
-  """Whether a leaf keeps a separate master shard in :class:`Zero1State`:
-  floating (not static) and not already in ``master_dtype``. A parameter in
-  the master dtype is replicated and bitwise equal to its last update on
-  every device, so its own shard is the master."""
-  return (spec.kind != lay.STATIC
-          and jnp.dtype(spec.dtype) != jnp.dtype(master_dtype))
-
-
-def master_tree(layout: lay.Layout, master_dtype: Any, values) -> Any:
-  """``Zero1State.master`` from one value per leaf: None wherever
-  :func:`stores_master` is false."""
-  return layout.treedef.unflatten(
-      [v if stores_master(s, master_dtype) else None
-       for s, v in zip(layout.leaves, values)])
 
 
 def _check_master(state, layout: lay.Layout, master_dtype) -> list:
@@ -224,7 +200,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           master_dtype: Any = jnp.float32, max_grad_norm: float | None = None,
           loss_scale: precision.LossScale | None = None,
           reduce_dtype: Any = None, check_elementwise: bool = True,
-          clip_rule: str = "optax") -> Zero1Transformation:
+          clip_rule: str = "optax",
+          inplace_bytes: int | None = 1 << 16) -> Zero1Transformation:
   """Shards ``inner``'s state and the master weights over ``axis_name``.
 
   Args:
@@ -251,12 +228,20 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     clip_rule: how ``max_grad_norm`` clips: ``"optax"`` (as
       ``optax.clip_by_global_norm``: ``g * c / norm`` when ``norm >= c``) or
       ``"deepspeed"`` (ZeRO-1/2's ``g / max(1, (norm + 1e-6) / c)``).
+    inplace_bytes: a leaf of at least this many bytes (all N pieces) is
+      reduced and gathered in place, one collective on the leaf itself, with
+      no bucket copy; smaller leaves are packed into buckets of
+      ``bucket_bytes``. None: pack every leaf.
 
   Returns:
     A :class:`Zero1Transformation`. Its ``update(grads, state, params)``
     takes this device's local, unreduced gradients inside shard_map and
     returns full updates such that ``optax.apply_updates(params, updates)``
     gives the new weights (for bf16/fp16 params: the fp32 master cast).
+    Outside shard_map (plain ``jax.jit`` or eager, under ``jax.set_mesh`` or
+    on arrays placed on a mesh), ``init`` and ``update`` run through
+    :mod:`zero1_jax.core.jit_mode` and take the gradients ``jax.grad``
+    returns there.
 
   Example:
     >>> import optax, zero1_jax as z1
@@ -267,7 +252,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
   """
   cfg = Zero1Config(axis_name, reduce, bucket_bytes, gather_bucket_bytes,
                     master_dtype, max_grad_norm, loss_scale, reduce_dtype,
-                    check_elementwise, clip_rule)
+                    check_elementwise, clip_rule, inplace_bytes)
   axis = axis_name
 
   def init_from(params, values) -> Zero1State:
@@ -283,9 +268,12 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                       _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
+    if not jm.axis_bound(axis):   # plain jit / eager under a mesh
+      return jm.init(tx, lambda p: init_from(p, p), params)
     return init_from(params, params)
 
-  def apply_fn(grads, state: Zero1State, params, *, pre_reduced: bool = False):
+  def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL,
+               *, pre_reduced: bool = False):
     layout = lay.plan(params, _axis_size(axis))
     n = layout.num_shards
     p_leaves = jax.tree.leaves(params)
@@ -293,40 +281,49 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                 else check_tree("grads", grads, layout))
     scaler = _loss_scaler(cfg, params)
     comm = [jnp.dtype(cfg.reduce_dtype or g.dtype) for g in g_leaves]
-    r_buckets = lay.plan_buckets(layout, tuple(comm), int(cfg.bucket_bytes))
+    r_buckets = lay.plan_buckets(layout, tuple(comm), int(cfg.bucket_bytes),
+                                 cfg.inplace_bytes)
     g_buckets = lay.plan_buckets(
         layout, tuple(jnp.dtype(p.dtype) for p in p_leaves),
-        int(cfg.gather_bucket_bytes or cfg.bucket_bytes))
+        int(cfg.gather_bucket_bytes or cfg.bucket_bytes), cfg.inplace_bytes)
 
-    # 1. Reduce (unless stage 2's backward did) and unscale in the master dtype.
-    if pre_reduced:
+    # 1. Reduce (unless stage 2's backward did: pre_reduced); the sums stay
+    # as they arrive (in the master dtype) and the average, unscale and clip
+    # become one scalar divisor applied in step 3, where XLA fuses it into
+    # the inner update. Norm and update both reading one divided tree would
+    # make XLA write that tree out (it does not duplicate divides into two
+    # consumers). A divide, not a multiply by the reciprocal: bitwise what
+    # optax computes from pmean'd gradients.
+    if pre_reduced:   # stage 2: summed shards (zero2.py), still / N
       reduced = {i: g_leaves[i] for i in layout.indices(lay.SHARD)
                  + layout.indices(lay.REPLICATE)}
+    elif grads_are == jm.REDUCED:   # jit already summed them: no collective
+      reduced = jm.local_shards(g_leaves, layout, axis)
     else:
       reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
                                    all_reduce=cfg.reduce == "all_reduce")
       reduced.update(col.psum_replicated(g_leaves, layout, axis))
+    r = {i: v.astype(cfg.master_dtype) for i, v in reduced.items()}
     scale = state.loss_scale.scale
-    denom = (scale * n).astype(cfg.master_dtype)
-    g = {i: v.astype(cfg.master_dtype) / denom for i, v in reduced.items()}
+    # jit's gradients are of the global mean loss already: no 1/N there.
+    denom = (scale * (n if grads_are == jm.LOCAL else 1)).astype(jnp.float32)
 
-    # 2. Global norm: shards are disjoint, replicated leaves count once.
-    sq_shard = sum((jnp.sum(jnp.square(g[i])) for i in layout.indices(lay.SHARD)),
-                   jnp.float32(0))
-    sq_rep = sum((jnp.sum(jnp.square(g[i])) for i in layout.indices(lay.REPLICATE)),
-                 jnp.float32(0))
-    g_norm = jnp.sqrt(jax.lax.psum(sq_shard.astype(jnp.float32), axis)
-                      + sq_rep.astype(jnp.float32))
+    # 2. Global norm of the averaged gradient: shards are disjoint, replicated
+    # leaves count once.
+    sq = lambda kind: sum((jnp.sum(jnp.square(r[i].astype(jnp.float32)))
+                           for i in layout.indices(kind)), jnp.float32(0))
+    g_norm = jnp.sqrt(jax.lax.psum(sq(lay.SHARD), axis) + sq(lay.REPLICATE)) / denom
     if cfg.max_grad_norm is not None and cfg.clip_rule == "deepspeed":
-      # runtime/zero/stage_1_and_2.py: clip = max(1, (norm + 1e-6) / c)
+      # runtime/zero/stage_1_and_2.py: clip = max(1, (norm + 1e-6) / c); the
+      # gradients are divided by clip x loss scale.
       coef = jnp.maximum(jnp.float32(1), (g_norm + jnp.float32(1e-6))
                          / jnp.float32(cfg.max_grad_norm))
-      g = {i: v / coef.astype(v.dtype) for i, v in g.items()}
+      denom = denom * coef
     elif cfg.max_grad_norm is not None:
-      trigger = g_norm < cfg.max_grad_norm
-      g = {i: jax.lax.select(trigger, v,
-                             (v / g_norm.astype(v.dtype)) * cfg.max_grad_norm)
-           for i, v in g.items()}
+      # optax.clip_by_global_norm: g / norm * c once norm >= c.
+      denom = jnp.where(g_norm < cfg.max_grad_norm, denom,
+                        denom * (g_norm / jnp.float32(cfg.max_grad_norm)))
+    g = {i: v / denom.astype(v.dtype) for i, v in r.items()}
     skipped = (~jnp.isfinite(g_norm) if scaler.skips_on_overflow
                else jnp.bool_(False))
 
@@ -372,7 +369,12 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     if params is None:
       raise ValueError("zero1: update needs params (call "
                        "tx.update(grads, state, params)).")
-    new_params, new_state, _ = apply_fn(grads, state, params)
+    if not jm.axis_bound(axis):   # plain jit / eager under a mesh
+      return jm.update(tx, update_as, grads, state, params)
+    return update_as(grads, state, params, jm.LOCAL)
+
+  def update_as(grads, state, params, grads_are):
+    new_params, new_state, _ = apply_fn(grads, state, params, grads_are)
 
     def diff(new, p):
       p = jnp.asarray(p)

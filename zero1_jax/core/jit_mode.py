@@ -1,0 +1,228 @@
+"""``tx.init`` / ``tx.update`` outside shard_map: plain ``jax.jit`` under a mesh.
+
+Inside a ``shard_map`` over the data axis (``z1.train_step``, a user's own
+step), :func:`zero1_jax.zero1`'s ``init`` and ``update`` run per device on
+local gradients. Called anywhere else (eagerly or under ``jax.jit``, as
+flax's ``TrainState`` and ``nnx.Optimizer`` call them), they land here: the
+mesh is taken from ``jax.set_mesh`` or from the arrays' ``NamedSharding``, and
+the same per-device code runs inside a ``jax.shard_map`` that this module
+builds. ``init`` returns the state sharded over the data axis exactly as
+:func:`zero1_jax.init` does (:func:`zero1_jax.core.specs.state_specs`).
+
+What ``update`` receives from ``jax.grad`` under jit decides the reduce:
+
+* plain (replicated) params: the gradient of the global-mean loss, already
+  reduced over the data axis by jit's partitioner (XLA:CPU: a full-size
+  all-reduce, then each device slices its shard). Mode ``REDUCED``: each
+  device takes its shard, no collective, no division by N.
+* params placed by :func:`reduced_params` (``P(..., reduced={axis})``):
+  ``jax.grad`` returns gradients typed *unreduced* over the axis, partial sums
+  whose total is the gradient of the global-mean loss. Mode ``PARTIAL``: one
+  ``psum_scatter`` per bucket sums them straight into each device's shard (no
+  all-reduce anywhere), no division by N.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, zero1_jax as z1
+  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> tx = z1.zero1(optax.sgd(0.5), axis_name="data")
+  >>> with jax.set_mesh(mesh):
+  ...   params = {"w": jnp.ones(3)}
+  ...   state = tx.init(params)                  # no shard_map needed
+  ...   grads = jax.grad(lambda p: jnp.sum(p["w"]))(params)
+  ...   updates, state = jax.jit(tx.update)(grads, state, params)
+  >>> [float(u) for u in updates["w"]]
+  [-0.5, -0.5, -0.5]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zero1_jax.core import collectives as col
+from zero1_jax.core import elementwise as ew
+from zero1_jax.core import layout as lay
+from zero1_jax.core import specs as zspecs
+
+LOCAL = "local"        # this device's own gradient inside shard_map: sum, then / N
+PARTIAL = "partial"    # jit's unreduced pieces: they sum to the gradient
+REDUCED = "reduced"    # jit's reduced gradient: already whole on every device
+
+
+def axis_bound(axis: str) -> bool:
+  """Whether ``axis`` is bound here (we are inside shard_map over it)."""
+  try:
+    jax.lax.axis_size(axis)
+    return True
+  except NameError:
+    return False
+
+
+def _no_mesh(axis: str, why: str) -> ValueError:
+  return ValueError(
+      f"zero1: axis '{axis}' is not bound and {why}. tx.init / tx.update run "
+      f"either inside shard_map over '{axis}' (z1.init / z1.train_step, or "
+      f"your own jax.shard_map), or in plain jax.jit code under a mesh with "
+      f"that axis: `with jax.set_mesh(jax.make_mesh((n,), ('{axis}',))):`, or "
+      f"with params placed on one (jax.device_put(params, "
+      f"NamedSharding(mesh, P()))).")
+
+
+def find_mesh(axis: str, *trees: Any) -> tuple[Any, int]:
+  """``(mesh for jax.shard_map, size of axis)``: the ``jax.set_mesh`` mesh
+  (``None`` for shard_map: it reads the context), else the mesh of the first
+  array in ``trees`` with a ``NamedSharding`` that has ``axis``.
+
+  Raises:
+    ValueError: no such mesh, naming the fix (``jax.set_mesh`` or shard_map).
+  """
+  ctx = jax.sharding.get_abstract_mesh()
+  if not ctx.empty:
+    if axis not in ctx.axis_names:
+      raise _no_mesh(axis, f"the jax.set_mesh mesh has axes "
+                     f"{tuple(ctx.axis_names)}, not '{axis}'")
+    return None, ctx.shape[axis]
+  for x in jax.tree.leaves(trees):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      sharding = x.sharding
+    else:
+      sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(sharding, NamedSharding) and axis in mesh.axis_names:
+      return mesh, mesh.shape[axis]
+  raise _no_mesh(axis, "no mesh was found (no jax.set_mesh context, and no "
+                 f"argument has a NamedSharding with axis '{axis}')")
+
+
+def _reduced_over(x, axis: str, field: str) -> bool:
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return axis in getattr(spec, field, ())
+
+
+def _spec(x, axis: str, field: str | None) -> P:
+  """``P()`` for ``x``'s rank, typed ``reduced`` / ``unreduced`` over ``axis``."""
+  nones = [None] * jnp.ndim(x)
+  return P(*nones, **({field: {axis}} if field else {}))
+
+
+def grads_mode(grads: Any, layout: lay.Layout, axis: str) -> str:
+  """:data:`PARTIAL` if the floating gradients are typed unreduced over
+  ``axis``, :data:`REDUCED` if none is; ValueError if only some are."""
+  leaves = jax.tree.leaves(grads)
+  flags = {_reduced_over(g, axis, "unreduced")
+           for g, s in zip(leaves, layout.leaves) if s.kind != lay.STATIC}
+  if flags == {True, False}:
+    raise ValueError(
+        f"zero1: some gradients are unreduced over '{axis}' and some are not: "
+        f"place every parameter with z1.reduced_params(params, mesh) (or none "
+        f"of them).")
+  return PARTIAL if flags == {True} else REDUCED
+
+
+def local_shards(grads: list, layout: lay.Layout, axis: str) -> dict[int, Any]:
+  """Mode :data:`REDUCED`: this device's shard of each whole gradient (no
+  collective); scalar leaves as they are. Indexed like ``layout.leaves``."""
+  out = {}
+  for i, (g, s) in enumerate(zip(grads, layout.leaves)):
+    if s.kind == lay.SHARD:
+      out[i] = col.local_shard(g, s, axis)
+    elif s.kind == lay.REPLICATE:
+      out[i] = g
+  return out
+
+
+def _param_specs(params: Any, axis: str) -> Any:
+  return jax.tree.map(
+      lambda x: _spec(x, axis, "reduced" if _reduced_over(x, axis, "reduced")
+                      else None), params)
+
+
+def init(tx: Any, init_in: Callable, params: Any) -> Any:
+  """``tx.init(params)`` outside shard_map: ``init_in`` (the per-device init)
+  inside a shard_map over the found mesh; the state comes out sharded over
+  the data axis as :func:`zero1_jax.core.specs.state_specs` says. Refuses a
+  non-elementwise inner optimizer like :func:`zero1_jax.init`."""
+  axis = tx.config.axis_name
+  mesh, n = find_mesh(axis, params)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
+                        params)
+  if tx.config.check_elementwise:
+    ew.check_elementwise(tx.inner, shapes, n, tx.config.master_dtype)
+  specs = zspecs.state_specs(tx, shapes, n)
+  f = jax.shard_map(init_in, mesh=mesh, in_specs=(_param_specs(params, axis),),
+                    out_specs=specs, check_vma=False)
+  return jax.jit(f)(params)   # eager shard_map would dispatch op by op
+
+
+def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
+           ) -> tuple[Any, Any]:
+  """``tx.update(grads, state, params)`` outside shard_map, on the gradients
+  ``jax.grad`` returns under jit. ``update_in(grads, state, params, mode)`` is
+  the per-device update. Updates come out typed like ``params`` (replicated,
+  or ``reduced`` over the axis), so ``optax.apply_updates`` keeps the params'
+  placement."""
+  axis = tx.config.axis_name
+  mesh, n = find_mesh(axis, params, grads)
+  layout = lay.plan(params, n)
+  mode = grads_mode(grads, layout, axis)
+  g_field = "unreduced" if mode == PARTIAL else None
+  g_specs = jax.tree.map(lambda g: _spec(g, axis, g_field), grads)
+  p_specs = _param_specs(params, axis)
+  s_specs = zspecs.state_specs(tx, params, n)
+  f = jax.shard_map(lambda g, s, p: update_in(g, s, p, mode), mesh=mesh,
+                    in_specs=(g_specs, s_specs, p_specs),
+                    out_specs=(p_specs, s_specs), check_vma=False)
+  return jax.jit(f)(grads, state, params)
+
+
+def reduced_params(params: Any, mesh: jax.sharding.Mesh | None = None, *,
+                   axis_name: str = "data") -> Any:
+  """Places ``params`` replicated and typed ``reduced`` over ``axis_name``.
+
+  Under ``jax.jit`` such params make ``jax.grad`` return gradients typed
+  *unreduced* over the axis, and :func:`zero1_jax.zero1`'s ``update`` then
+  reduce-scatters them directly (one collective per bucket, no all-reduce).
+  The updates it returns are typed the same way, so the params stay so
+  through ``optax.apply_updates`` / ``TrainState.apply_gradients``.
+
+  The model must accept reduced-typed params: matmuls do; adding a reduced
+  bias to activations sharded over the axis is refused by JAX
+  (``ShardingTypeError``) unless the bias is broadcast with an explicit
+  ``out_sharding`` (see the README). Floating scalars and arrays are placed
+  reduced; other leaves plainly replicated.
+
+  Args:
+    params: a tree of arrays.
+    mesh: a mesh whose ``axis_name`` is ``Explicit`` (``jax.make_mesh``'s
+      default); default: the ``jax.set_mesh`` mesh.
+    axis_name: the data axis.
+
+  Returns:
+    ``params`` on the mesh.
+
+  Raises:
+    ValueError: no mesh, the mesh lacks the axis or the axis is not Explicit.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or mesh.empty:
+      raise ValueError("zero1: reduced_params needs a mesh: pass mesh= or call "
+                       "it under `with jax.set_mesh(mesh):`.")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"zero1: mesh has axes {tuple(mesh.axis_names)}, not "
+                     f"'{axis_name}'; pass axis_name=<the data axis>.")
+  kind = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name]
+  if kind != jax.sharding.AxisType.Explicit:
+    raise ValueError(
+        f"zero1: axis '{axis_name}' is {kind}; reduced params need an Explicit "
+        f"axis: jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit,"
+        f" ...)).")
+
+  def place(x):
+    floating = jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    return jax.device_put(x, NamedSharding(
+        mesh, _spec(x, axis_name, "reduced" if floating else None)))
+  return jax.tree.map(place, params)
