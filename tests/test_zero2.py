@@ -31,6 +31,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero1_jax as z1
+from zero1_jax.core import zero2
 from helpers import (assert_close, assert_equal, batch, exact_batches,
                      exact_loss, float_part, loss_fn, mesh, odd_params)
 
@@ -267,7 +268,9 @@ def test_in_backward_reduce_scatters_have_backward_compute_beside_them():
 
   flops = {}
   for make in (z1.zero1, z1.zero2):
-    tx = make(optax.adam(1e-3), axis_name="data")
+    # Stage 1: one packed bucket; stage 2: every leaf on its own.
+    tx = make(optax.adam(1e-3), axis_name="data",
+              inplace_bytes=0 if make is z1.zero2 else None)
     p, s = z1.init(tx, params, mesh(n))
     b = {"x": np.ones((2 * n, d), np.float32)}
     rs = [r for r in z1.inspect.overlap(z1.train_step(loss, tx, mesh(n)), p, s, b)
@@ -277,3 +280,22 @@ def test_in_backward_reduce_scatters_have_backward_compute_beside_them():
   # weights 6, 5, 4, 3 such dots, biases 7, 6, 5, 4.
   assert len(flops["zero1"]) == 1 and len(flops["zero2"]) == 2 * layers
   assert min(flops["zero2"]) >= 3 * max(flops["zero1"]) > 0, flops
+
+
+def test_small_leaves_share_a_collective_large_ones_go_alone():
+  params = {"big": jnp.zeros((64, 33)), "s1": jnp.zeros(7), "s2": jnp.zeros((3, 5)),
+            "s3": jnp.zeros(9), "g": jnp.zeros(()), "h": jnp.zeros(()),
+            "i": jnp.zeros(3, jnp.int32)}
+  layout = z1.plan(params, 4)
+  names = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(params)[0]]
+  def groups(**kw):
+    cfg = z1.zero2(optax.sgd(1.0), axis_name="data", **kw).config
+    return [[names[i] for i in g] for g in zero2.hook_groups(layout, cfg)]
+  # big: 4 x 16 x 33 x 4 bytes >= 1024 alone; the small ones (all N padded
+  # pieces: s1 4x2, s2 4x5, s3 4x3 floats = 32 + 80 + 48 bytes) packed up to
+  # bucket_bytes; scalars together.
+  assert groups(inplace_bytes=1024, bucket_bytes=120) == [
+      ["['big']"], ["['s1']", "['s2']"], ["['s3']"], ["['g']", "['h']"]]
+  assert groups(inplace_bytes=None) == [
+      ["['big']"], ["['s1']"], ["['s2']"], ["['s3']"], ["['g']", "['h']"]]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,21 +83,25 @@ def comm_dtype(spec: lay.LeafSpec, cfg: Zero1Config) -> jnp.dtype:
   return jnp.dtype(spec.dtype)
 
 
-def reduce_hook(spec: lay.LeafSpec, n: int, axis_name: str, dtype: Any,
-                all_reduce: bool = False) -> Callable:
-  """``hook(param, slot) -> param`` whose backward reduces the cotangent.
+def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
+                dtype: Any, all_reduce: bool = False) -> Callable:
+  """``hook(params, slots) -> params`` whose backward reduces the cotangents.
 
-  ``slot`` is a zero of ``spec.shard_shape`` (scalar leaves: of shape ())
-  in ``dtype``; its cotangent is this device's shard of the sum over
-  ``axis_name`` of the parameter's cotangent. The parameter gets no
-  cotangent (None: a zero that is never built).
+  ``params`` and ``slots`` are tuples, one entry per leaf of ``specs`` (all
+  SHARD or all REPLICATE). ``slots[k]`` is a zero of ``specs[k].shard_shape``
+  (scalars: shape ()) in ``dtype``; its cotangent is this device's shard of
+  the sum over ``axis_name`` of ``params[k]``'s cotangent, all of the group's
+  leaves in one collective (their rank-major views side by side). The params
+  get no cotangent (None: a zero that is never built).
   """
 
-  def reduce(ct):
-    ct = ct.astype(dtype)
-    if spec.kind == lay.REPLICATE:
-      return jax.lax.psum(ct, axis_name)
-    m = col.rank_major(ct, spec, n)
+  def reduce(cts):
+    cts = [c.astype(dtype) for c in cts]
+    if specs[0].kind == lay.REPLICATE:
+      total = jax.lax.psum(jnp.stack(cts), axis_name)
+      return tuple(total[k] for k in range(len(cts)))
+    views = [col.rank_major(c, s, n) for c, s in zip(cts, specs)]
+    m = views[0] if len(views) == 1 else jnp.concatenate(views, axis=1)
     if all_reduce:   # DeepSpeed's reduce_scatter: false
       mine = jax.lax.dynamic_index_in_dim(
           jax.lax.psum(m, axis_name), jax.lax.axis_index(axis_name), 0,
@@ -105,28 +109,62 @@ def reduce_hook(spec: lay.LeafSpec, n: int, axis_name: str, dtype: Any,
     else:
       mine = jax.lax.psum_scatter(m, axis_name, scatter_dimension=0,
                                   tiled=True)
-    return mine.reshape(spec.shard_shape)
+    mine, out, at = mine.reshape(-1), [], 0
+    for s in specs:
+      out.append(mine[at:at + s.shard_size].reshape(s.shard_shape))
+      at += s.shard_size
+    return tuple(out)
 
   @jax.custom_vjp
-  def hook(p, slot):
-    del slot
-    return p
+  def hook(ps, slots):
+    del slots
+    return ps
 
-  def fwd(p, slot):
-    del slot
-    return p, None
+  def fwd(ps, slots):
+    del slots
+    return ps, None
 
-  def bwd(_, ct):
-    return None, reduce(ct)
+  def bwd(_, cts):
+    return None, reduce(cts)
 
   hook.defvjp(fwd, bwd)
   return hook
 
 
+def hook_groups(layout: lay.Layout, cfg: Zero1Config) -> list[list[int]]:
+  """Leaf indices reduced together, in tree order: each SHARD leaf of at
+  least ``cfg.inplace_bytes`` (all N pieces) alone, as the backward produces
+  it; smaller ones packed per comm dtype into groups of at most
+  ``cfg.bucket_bytes`` (one collective each, once the whole group's
+  gradients exist); the scalar (REPLICATE) leaves one group per dtype.
+  ``inplace_bytes=None``: every SHARD leaf alone."""
+  n, small = layout.num_shards, cfg.inplace_bytes
+  groups, open_, scalars = [], {}, {}
+  for i, spec in enumerate(layout.leaves):
+    dt = comm_dtype(spec, cfg)
+    if spec.kind == lay.REPLICATE:
+      scalars.setdefault(dt, []).append(i)
+      continue
+    if spec.kind != lay.SHARD:
+      continue
+    size = n * spec.shard_size * dt.itemsize
+    if small is None or size >= int(small):
+      groups.append([i])
+      continue
+    g = open_.get(dt)
+    if g is None or g[1] + size > int(cfg.bucket_bytes):
+      g = open_[dt] = [[], 0]
+      groups.append(g[0])
+    g[0].append(i)
+    g[1] += size
+  return groups + list(scalars.values())
+
+
 def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
                     n: int) -> Callable:
   """``f(batch) -> (grads, aux)`` for ``jax.grad(loss_fn, has_aux=True)``
-  with every leaf's gradient reduced in the backward pass.
+  with every leaf's gradient reduced in the backward pass
+  (:func:`hook_groups` says which leaves share a collective).
 
   ``grads`` has ``params``' structure: this device's shard (``shard_shape``)
   of the gradient summed over the axis at SHARD leaves, the summed scalar at
@@ -134,26 +172,30 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
   """
   layout = lay.plan(params, n)
   p_leaves = jax.tree.leaves(params)
+  groups = hook_groups(layout, cfg)
   hooks, slots = [], []
-  for spec in layout.leaves:
-    if spec.kind == lay.STATIC:
-      hooks.append(None)
-      slots.append(None)
-      continue
-    dt = comm_dtype(spec, cfg)
-    hooks.append(reduce_hook(spec, n, cfg.axis_name, dt,
+  for idx in groups:
+    specs = [layout.leaves[i] for i in idx]
+    dt = comm_dtype(specs[0], cfg)
+    hooks.append(reduce_hook(specs, n, cfg.axis_name, dt,
                              cfg.reduce == "all_reduce"))
-    slots.append(jnp.zeros(spec.shard_shape, dt))
+    slots.append(tuple(jnp.zeros(s.shard_shape, dt) for s in specs))
 
   def through_hooks(slots, batch):
-    hooked = [p if h is None else h(p, s)
-              for h, p, s in zip(hooks, p_leaves, slots)]
+    hooked = list(p_leaves)
+    for idx, h, s in zip(groups, hooks, slots):
+      for i, p in zip(idx, h(tuple(p_leaves[i] for i in idx), s)):
+        hooked[i] = p
     return loss_fn(layout.treedef.unflatten(hooked), batch)
 
   grad = jax.grad(through_hooks, has_aux=True)
 
   def f(batch):
-    g, aux = grad(slots, batch)
+    g_slots, aux = grad(slots, batch)
+    g = [None] * len(p_leaves)
+    for idx, gs in zip(groups, g_slots):
+      for i, x in zip(idx, gs):
+        g[i] = x
     return layout.treedef.unflatten(g), aux
 
   return f
