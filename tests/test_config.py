@@ -262,15 +262,13 @@ def test_zero_stage_other_than_0_1_or_2_is_rejected(stage):
       f"zero_optimization.stage={stage} is not supported")
 
 
-def test_zero_stage2_is_accepted_and_its_bucket_size_noted(caplog):
+def test_zero_stage2_is_accepted_and_its_keys_noted(caplog):
   with caplog.at_level(logging.INFO, logger="zero1_jax"):
     z = base(zero_optimization={"stage": 2, "reduce_bucket_size": 123457,
                                 "overlap_comm": True,
                                 "contiguous_gradients": False,
                                 "round_robin_gradients": True}).zero
   assert (z.stage, z.reduce_bucket_size, z.overlap_comm) == (2, 123457, True)
-  assert ("zero_optimization.reduce_bucket_size=123457 has no effect: with "
-          "stage 2") in caplog.text
   for key in ("contiguous_gradients", "round_robin_gradients"):
     assert f"zero_optimization.{key}" in caplog.text, key
 

@@ -3,7 +3,7 @@
 Stage 2 is stage 1's optimizer (same state, same update math) fed by a
 different gradient path. :func:`zero1_jax.train_step` with a stage-2
 transformation differentiates the loss through one identity *hook* per
-parameter leaf (:func:`reduce_hook`). The hook's forward returns the full
+parameter leaf, or group of small leaves (:func:`reduce_hook`). The hook's forward returns the full
 parameter; its backward rule receives that leaf's complete cotangent, the
 moment the backward pass has produced it, and reduce-scatters it at once
 (rank-major view, :func:`zero1_jax.core.collectives.rank_major`): each device
@@ -50,12 +50,12 @@ def zero2(inner: optax.GradientTransformation, *, axis_name: str,
   gradients reduce-scattered while the backward pass produces them.
 
   Takes exactly :func:`zero1_jax.zero1`'s keywords (its signature is this
-  function's ``__signature__``) and means the same by them, except
-  ``bucket_bytes``: :func:`zero1_jax.train_step` reduces each leaf on its own
-  as its gradient appears (one collective a leaf; GPU backends combine them),
-  so it applies only to ``tx.update`` called directly. ``tx.update`` inside
-  a user's own shard_map is stage 1's (it is handed whole local gradients,
-  so there is nothing left to shard).
+  function's ``__signature__``) and means the same by them. In
+  :func:`zero1_jax.train_step`, a leaf of at least ``inplace_bytes`` is
+  reduce-scattered alone as soon as the backward has produced its gradient;
+  smaller leaves share one collective per group of at most ``bucket_bytes``
+  (:func:`hook_groups`). ``tx.update`` inside a user's own shard_map is
+  stage 1's (it is handed whole local gradients, nothing is left to shard).
 
   Returns:
     A :class:`zero1_jax.Zero1Transformation` with ``config.stage == 2``; use

@@ -179,12 +179,6 @@ def _parse_zero(raw: Mapping) -> ZeroConfig:
         "implements ZeRO stages 1 (optimizer-state sharding) and 2 (+ gradient "
         "sharding), and stage 0 (plain data parallelism); stage 3 also shards "
         "parameters. Use \"stage\": 1 or 2")
-  if stage == 2 and "reduce_bucket_size" in vals:
-    key = f"zero_optimization.reduce_bucket_size={vals['reduce_bucket_size']!r}"
-    if key not in _NOTED:
-      _PENDING.append(f"{key} has no effect: with stage 2 each parameter's "
-                      "gradient is reduce-scattered as the backward pass "
-                      "produces it (XLA's combiner groups them on GPU)")
   return ZeroConfig(**vals)
 
 

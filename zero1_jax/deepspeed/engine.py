@@ -72,8 +72,9 @@ def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
 
   ``reduce_bucket_size`` / ``allgather_bucket_size`` count elements in
   DeepSpeed; here they become bytes at the gradient / parameter dtype
-  (stage 2's train_step reduces each leaf as the backward produces it, so
-  ``reduce_bucket_size`` has no effect there: see :func:`zero2`).
+  (stage 2 reduces large leaves alone as the backward produces them and
+  caps each group of small leaves at ``reduce_bucket_size``: see
+  :func:`zero2`).
   """
   if cfg.zero.stage not in (1, 2):
     raise zconfig.ConfigError(
