@@ -28,7 +28,9 @@ plain JSON-able dicts):
 * :func:`bucket_section`: collective count and step time vs ``bucket_bytes``;
 * :func:`overhead_section` (:mod:`experiments.bench_overhead`): each method's
   step time above the no-communication floor, peaks, and the bytes each step
-  writes (from the optimized HLO), at N = 2 and 8;
+  writes (from the optimized HLO), at N = 2 and 8, ZeRO-2 included;
+* :func:`stage2_section`: ZeRO-1 vs ZeRO-2 compiled peaks without and with
+  4-step accumulation, and their step-time ratio;
 * :func:`adam_bandwidth_section` (``--adam-bw``): bytes an Adam update moves
   per second vs the memory roofline (for the GPU check).
 
@@ -78,7 +80,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 # Re-exported: tests, scripts and docs use them as ``experiments.bench.<name>``.
-from experiments.bench_overhead import overhead_section  # noqa: E402,F401
+from experiments.bench_overhead import overhead_section, stage2_section  # noqa: E402,F401
 from experiments.bench_plots import plots  # noqa: E402,F401
 from experiments.bench_report import tables, targets  # noqa: E402,F401
 from experiments.bench_sections import (  # noqa: E402,F401
@@ -105,7 +107,8 @@ def _jsonable(x):
 def run(plan: Plan, out: str | None = None, sections: tuple[str, ...] | None = None,
         log=print) -> dict:
   """Runs the sections of ``plan``; writes json, tables and plots to ``out``."""
-  sections = sections or ("state", "memory", "speed", "overhead", "buckets") + (
+  sections = sections or ("state", "memory", "speed", "overhead", "stage2",
+                          "buckets") + (
       ("adam_bw",) if plan.adam_bw_psi else ())
   t_all = time.perf_counter()
   res: dict[str, Any] = {"plan": dataclasses.asdict(plan), "timing_s": {}}
@@ -129,6 +132,7 @@ def run(plan: Plan, out: str | None = None, sections: tuple[str, ...] | None = N
       ("speed", "step times", lambda p, l: {"speed": speed_section(p, l)}),
       ("overhead", "overhead above the floor",
        lambda p, l: {"overhead": overhead_section(p, l)}),
+      ("stage2", "ZeRO-1 vs ZeRO-2", lambda p, l: {"stage2": stage2_section(p, l)}),
       ("buckets", "bucket sweep", lambda p, l: {"buckets": bucket_section(p, l)}),
       ("adam_bw", "adam bandwidth",
        lambda p, l: {"adam_bw": adam_bandwidth_section(p, l)}),
@@ -162,7 +166,7 @@ def main(argv=None) -> dict:
                        "else to use jax's default backend as is")
   ap.add_argument("--ns", default=None, help="comma list of device counts, e.g. 1,2,4,8")
   ap.add_argument("--sections", default=None,
-                  help="comma list of: state,memory,speed,overhead,buckets,adam_bw")
+                  help="comma list of: state,memory,speed,overhead,stage2,buckets,adam_bw")
   ap.add_argument("--state-size", default=None, choices=sorted(SIZES))
   ap.add_argument("--speed-sizes", default=None, help="comma list of model sizes")
   ap.add_argument("--ratio-sizes", default=None, help="comma list of model sizes")

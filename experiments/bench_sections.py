@@ -96,16 +96,25 @@ def memory_section(plan: Plan, log=print) -> tuple[list[dict], list[dict]]:
     act = activation_bytes(m, plan.per_device_batch, plan.seq_len)
     for n in plan.ns:
       b = device_batch(batch(plan.per_device_batch * n, plan.seq_len), n)
-      for method in METHODS:
-        built = build(method, m, n, b, keep=(n == max(plan.ns) and dtype == "fp32"))
+      # At the largest N also ZeRO-1 with large leaves in place (the GPU
+      # default; on CPU the default packs every leaf).
+      extra = (("zero1_in_place",) if n == max(plan.ns) else ())
+      for method in METHODS + extra:
+        if method == "zero1_in_place":
+          built = build("zero1_rs", m, n, b, inplace_bytes=1 << 16)
+          built.method = method
+        else:
+          built = build(method, m, n, b, keep=(n == max(plan.ns) and dtype == "fp32"))
         mem = z1.inspect.memory(built.compiled)
-        theory = model_state_theory(method, m.psi, n, dtype)
+        theory = model_state_theory("zero1_rs" if method == "zero1_in_place" else method,
+                                    m.psi, n, dtype)
         mem_rows.append(dict(dtype=dtype, n=n, method=method, psi=m.psi, **mem,
                              theory_model_states=theory, activations=act,
                              theory_total=theory + act,
                              ratio=mem["peak"] / (theory + act),
                              compile_s=built.compile_s))
-        coll_rows.extend(_collective_rows(built, m, dtype, n))
+        if method in METHODS:
+          coll_rows.extend(_collective_rows(built, m, dtype, n))
         del built
       log(f"  memory {dtype} N={n}: " + ", ".join(
           f"{r['method']}={r['peak'] / 1e6:.2f}MB"

@@ -27,9 +27,10 @@ METHODS = ("zero1_rs", "zero1_ar", "ddp", "gspmd")
 # section only, since it trains nothing useful.
 FLOOR = "floor"
 LABELS = {"zero1_rs": "ZeRO-1 (reduce-scatter)", "zero1_ar": "ZeRO-1 (all-reduce)",
-          "ddp": "DDP", "gspmd": "GSPMD", FLOOR: "floor (no communication)"}
+          "ddp": "DDP", "gspmd": "GSPMD", FLOOR: "floor (no communication)",
+          "zero2": "ZeRO-2"}
 COLORS = {"zero1_rs": "tab:blue", "zero1_ar": "tab:cyan", "ddp": "tab:red",
-          "gspmd": "tab:green", FLOOR: "tab:gray"}
+          "gspmd": "tab:green", FLOOR: "tab:gray", "zero2": "tab:purple"}
 K = 12  # ZeRO paper: bytes of Adam state per parameter (fp32 master, mu, nu)
 
 # Small BERTs (custom ``make_config`` overrides of bert-tiny; head_dim 64 or
@@ -197,6 +198,11 @@ def _build(method: str, m: Model, n: int, b, bucket_bytes: int,
   elif method == "gspmd":
     p, s = bl.gspmd_init(optimizer(), m.params, mesh)
     step = bl.gspmd_train_step(m.loss_fn, optimizer(), mesh, m.params)
+  elif method == "zero2":
+    tx = z1.zero2(optimizer(), axis_name="data", bucket_bytes=bucket_bytes,
+                  inplace_bytes=inplace_bytes)
+    p, s = z1.init(tx, m.params, mesh)
+    step = z1.train_step(m.loss_fn, tx, mesh)
   elif method == FLOOR:
     p, s = bl.floor_init(m.params, mesh)
     step = bl.floor_train_step(m.loss_fn, mesh)

@@ -57,8 +57,8 @@ MUTANTS = [
         "loss_scale_not_divided_out",
         "gradients are divided by N but never by the loss scale",
         "zero1_jax/core/transform.py",
-        "denom = (scale * n).astype(cfg.master_dtype)",
-        "denom = jnp.asarray(n, cfg.master_dtype)",
+        "denom = (scale * (n if grads_are == jm.LOCAL else 1)).astype(jnp.float32)",
+        "denom = jnp.asarray(n if grads_are == jm.LOCAL else 1, jnp.float32)",
         ("tests/test_precision.py",)),
     Mutant(
         "reduce_scatter_wrong_shard",
@@ -93,8 +93,8 @@ MUTANTS = [
         "clip_coefficient_inverted",
         "clip_by_global_norm scales by 1/(norm * c) instead of c/norm",
         "zero1_jax/core/transform.py",
-        "(v / g_norm.astype(v.dtype)) * cfg.max_grad_norm)",
-        "(v / g_norm.astype(v.dtype)) / cfg.max_grad_norm)",
+        "denom * (g_norm / jnp.float32(cfg.max_grad_norm)))",
+        "denom * (g_norm * jnp.float32(cfg.max_grad_norm)))",
         ("tests/test_step.py", "-k", "clip")),
     Mutant(
         "deepspeed_clip_without_epsilon",
@@ -110,6 +110,21 @@ MUTANTS = [
         "shards = {i: m_leaves[i].astype(p_leaves[i].dtype)",
         "shards = {i: _leaves_with_none(view)[i].astype(p_leaves[i].dtype)",
         ("tests/test_equivalence.py", "-k", "bitwise")),
+    Mutant(
+        "in_place_reduce_on_wrong_dim",
+        "an in-place leaf is reduce-scattered along the dim after its shard dim",
+        "zero1_jax/core/collectives.py",
+        "scatter_dimension=spec.dim, tiled=True)",
+        "scatter_dimension=(spec.dim + 1) % g.ndim, tiled=True)",
+        ("tests/test_equivalence.py", "-k", "bitwise and in_place")),
+    Mutant(
+        "in_place_gather_unpadded_wrongly",
+        "an in-place all-gather keeps the padding rows at the front",
+        "zero1_jax/core/collectives.py",
+        "return jax.lax.slice_in_dim(full, 0, spec.shape[spec.dim], axis=spec.dim)",
+        "return jax.lax.slice_in_dim(full, full.shape[spec.dim] - spec.shape[spec.dim], "
+        "full.shape[spec.dim], axis=spec.dim)",
+        ("tests/test_equivalence.py", "-k", "bitwise and in_place")),
     Mutant(
         "committed_batch_rows_on_wrong_device",
         "a batch committed off the mesh lands one device's rows further on",

@@ -112,22 +112,22 @@ def test_speed_buckets_targets_and_outputs(result):
 
 
 def test_overhead_section_measures_above_the_floor(result):
-  """The floor communicates nothing; ZeRO-1 in place writes fewer bytes than
-  with every leaf packed (the bucket copy and the unpacking slices are gone);
-  the report carries the overhead targets."""
+  """The floor communicates nothing and writes less than DDP; the report
+  carries the overhead targets. (That in place writes less than packed is
+  asserted on a model with large leaves in tests/test_memory_comm.py.)"""
   res, out = result
   (r,) = res["overhead"]
-  assert r["n"] == 2 and set(r["overhead_ms"]) == {"zero1_rs", "zero1_packed", "ddp", "gspmd"}
+  assert r["n"] == 2 and set(r["overhead_ms"]) == {"zero1_rs", "zero1_in_place", "zero2",
+                                                  "ddp", "gspmd"}
   floor = bench.build("floor", bench.model("test", "fp32", PLAN.seq_len), 2,
                       bench.device_batch(bench.batch(2, PLAN.seq_len), 2))
   assert z1.inspect.collectives(floor.compiled) == {}
-  assert r["written"]["zero1_rs"] < r["written"]["zero1_packed"]
   assert r["written"]["floor"] < r["written"]["ddp"]
   names = [t["target"] for t in res["targets"]]
   assert any("overhead above the floor" in n for n in names)
   assert any("floor peak" in n for n in names)
   with open(os.path.join(out, "tables.md")) as f:
-    assert "| 2 | zero1_packed |" in f.read()
+    assert "| 2 | zero1_in_place |" in f.read()
 
 
 def test_hlo_bytes_counts_buffers_not_views():

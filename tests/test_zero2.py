@@ -297,5 +297,11 @@ def test_small_leaves_share_a_collective_large_ones_go_alone():
   # bucket_bytes; scalars together.
   assert groups(inplace_bytes=1024, bucket_bytes=120) == [
       ["['big']"], ["['s1']", "['s2']"], ["['s3']"], ["['g']", "['h']"]]
+  # None packs every leaf (as stage 1's layout.plan_buckets); "auto" is
+  # 64 KiB for stage 2 on any backend.
   assert groups(inplace_bytes=None) == [
+      ["['big']", "['s1']", "['s2']", "['s3']"], ["['g']", "['h']"]]
+  assert groups() == groups(inplace_bytes=1 << 16) == [
+      ["['big']", "['s1']", "['s2']", "['s3']"], ["['g']", "['h']"]]
+  assert groups(inplace_bytes=0) == [
       ["['big']"], ["['s1']"], ["['s2']"], ["['s3']"], ["['g']", "['h']"]]

@@ -137,8 +137,8 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config) -> list[list[int]]:
   it; smaller ones packed per comm dtype into groups of at most
   ``cfg.bucket_bytes`` (one collective each, once the whole group's
   gradients exist); the scalar (REPLICATE) leaves one group per dtype.
-  ``inplace_bytes=None``: every SHARD leaf alone."""
-  n, small = layout.num_shards, cfg.inplace_bytes
+  ``inplace_bytes=None``: every SHARD leaf packed, as in stage 1."""
+  n, small = layout.num_shards, cfg.inplace_threshold()
   groups, open_, scalars = [], {}, {}
   for i, spec in enumerate(layout.leaves):
     dt = comm_dtype(spec, cfg)
@@ -148,7 +148,7 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config) -> list[list[int]]:
     if spec.kind != lay.SHARD:
       continue
     size = n * spec.shard_size * dt.itemsize
-    if small is None or size >= int(small):
+    if small is not None and size >= int(small):
       groups.append([i])
       continue
     g = open_.get(dt)
