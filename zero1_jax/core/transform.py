@@ -61,16 +61,17 @@ class Zero1Config:
   inplace_bytes: int | None | str = "auto"
   stage: int = 1   # 2: train_step reduces gradients in the backward (zero2.py)
 
-  def inplace_threshold(self) -> int | None:
+  def inplace_threshold(self, num_shards: int = 2) -> int | None:
     """``inplace_bytes`` resolved: ``"auto"`` is 64 KiB on backends whose
-    collective combiners merge per-leaf collectives (GPU, TPU) and for stage
-    2 (its point is the memory), None (pack every leaf) for stage 1 on CPU,
-    where collectives are not combined and each costs a rendezvous of all
-    devices (measured in ``make bench``: in place, 54 collectives instead of
-    2 made the overhead above the floor 4.8x the packed one at N=8)."""
+    collective combiners merge per-leaf collectives (GPU, TPU), for stage 2
+    (its point is the memory) and on one device (no collective is left);
+    None (pack every leaf) for stage 1 on CPU with N > 1, where collectives
+    are not combined and each costs a rendezvous of all devices (measured in
+    ``make bench``: in place, 54 collectives instead of 2 made the overhead
+    above the floor 4.8x the packed one at N=8)."""
     if self.inplace_bytes != "auto":
       return self.inplace_bytes
-    if self.stage == 2 or jax.default_backend() != "cpu":
+    if self.stage == 2 or num_shards == 1 or jax.default_backend() != "cpu":
       return 1 << 16
     return None
 
@@ -298,10 +299,10 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     comm = [jnp.dtype(cfg.reduce_dtype or g.dtype) for g in g_leaves]
     # tx.config, not cfg: zero2() sets the stage after this closure was made.
     r_buckets = lay.plan_buckets(layout, tuple(comm), int(cfg.bucket_bytes),
-                                 tx.config.inplace_threshold())
+                                 tx.config.inplace_threshold(n))
     g_buckets = lay.plan_buckets(
         layout, tuple(jnp.dtype(p.dtype) for p in p_leaves),
-        int(cfg.gather_bucket_bytes or cfg.bucket_bytes), tx.config.inplace_threshold())
+        int(cfg.gather_bucket_bytes or cfg.bucket_bytes), tx.config.inplace_threshold(n))
 
     # 1. Reduce (unless stage 2's backward did: pre_reduced); the sums stay
     # as they arrive (in the master dtype) and the average, unscale and clip

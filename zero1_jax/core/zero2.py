@@ -138,7 +138,8 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config) -> list[list[int]]:
   ``cfg.bucket_bytes`` (one collective each, once the whole group's
   gradients exist); the scalar (REPLICATE) leaves one group per dtype.
   ``inplace_bytes=None``: every SHARD leaf packed, as in stage 1."""
-  n, small = layout.num_shards, cfg.inplace_threshold()
+  n = layout.num_shards
+  small = cfg.inplace_threshold(n)
   groups, open_, scalars = [], {}, {}
   for i, spec in enumerate(layout.leaves):
     dt = comm_dtype(spec, cfg)
