@@ -22,13 +22,20 @@ def run(tmp_path, *extra, config=SEED_JSON):
   return train.main(args)
 
 
-def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
-  cfg = json.load(open(SEED_JSON))
-  cfg["train_batch_size"] = 8          # 2 per device x 4 devices
+def run_edited(tmp_path, config, **top_level):
+  """Runs ``config`` with ``top_level`` keys replaced and fp16's initial
+  scale at 2^8 (the tiny model overflows less); returns the edited config."""
+  cfg = json.load(open(config))
+  cfg.update(top_level)
   cfg["fp16"]["initial_scale_power"] = 8
-  path = tmp_path / "ds.json"
+  path = tmp_path / "edited.json"
   path.write_text(json.dumps(cfg))
   assert run(tmp_path, config=path) == 0
+  return cfg
+
+
+def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
+  run_edited(tmp_path, SEED_JSON, train_batch_size=8)   # 2 per device x 4 devices
   out = capsys.readouterr().out
   for r in range(4):
     assert f"[Rank {r}] Zero Stage 1: optimizer state partitioned" in out
@@ -50,15 +57,10 @@ def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
 
 def test_stage2_config_trains(tmp_path, capsys):
   """experiments/configs/ds_zero_stage2.json runs through zero1-train."""
-  cfg = json.load(open(os.path.join(os.path.dirname(SEED_JSON),
-                                    "ds_zero_stage2.json")))
+  cfg = run_edited(tmp_path, os.path.join(os.path.dirname(SEED_JSON), "ds_zero_stage2.json"),
+                   train_batch_size=16,   # 2 per device x 2 accumulation x 4 devices
+                   gradient_accumulation_steps=2)
   assert cfg["zero_optimization"]["stage"] == 2
-  cfg["train_batch_size"] = 16         # 2 per device x 2 accumulation x 4 devices
-  cfg["gradient_accumulation_steps"] = 2
-  cfg["fp16"]["initial_scale_power"] = 8
-  path = tmp_path / "ds2.json"
-  path.write_text(json.dumps(cfg))
-  assert run(tmp_path, config=path) == 0
   out = capsys.readouterr().out
   for r in range(4):
     assert f"[Rank {r}] Zero Stage 2: optimizer state and gradients partitioned" in out
