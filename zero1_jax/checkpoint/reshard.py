@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from zero1_jax.core import layout as lay
+from zero1_jax.core import param_axes as pax
 from zero1_jax.core import step as zstep
 from zero1_jax.core.transform import Zero1State, master_tree
 
@@ -99,17 +99,37 @@ def nest(items: list[tuple[list, Any]]):
   return [node[k] for k in sorted(node)] if kinds == {"index"} else node
 
 
-def sharded_dim(x) -> tuple[int | None, str | None, int]:
-  """``(dim, axis, axis size)`` of a leaf sharded on one mesh axis, else
-  ``(None, None, 1)``."""
+def _axes(entry) -> tuple:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def sharded_dim(x, axis: str | None = None) -> tuple[int | None, str | None, int]:
+  """``(dim, axis, axis size)`` of the dim of ``x`` sharded over ``axis``
+  (None: the first sharded dim, on one mesh axis), else ``(None, None, 1)``."""
   s = getattr(x, "sharding", None)
   if isinstance(s, NamedSharding):
     for d, a in enumerate(s.spec):
-      if a is not None:
-        axes = a if isinstance(a, tuple) else (a,)
+      if axis is not None:
+        if axis in _axes(a):
+          return d, axis, s.mesh.shape[axis]
+      elif a is not None:
         return d, a if isinstance(a, str) else None, math.prod(
-            s.mesh.shape[ax] for ax in axes)
+            s.mesh.shape[ax] for ax in _axes(a))
   return None, None, 1
+
+
+def data_axis(params, opt_state) -> str | None:
+  """The mesh axis the state is sharded over and the params are not: the
+  data axis (params may be sharded over others, on a 2-D mesh)."""
+  def used(tree):
+    out = set()
+    for x in jax.tree.leaves(tree):
+      s = getattr(x, "sharding", None)
+      if isinstance(s, NamedSharding):
+        out.update(a for entry in s.spec for a in _axes(entry))
+    return out
+  rest = used(opt_state) - used(params)
+  return next(iter(rest)) if len(rest) == 1 else None
 
 
 def leaf_record(path: str, name: str, x) -> dict:
@@ -123,9 +143,10 @@ def manifest(params, opt_state: Zero1State, config) -> dict:
   p_names = names([p for p, _, _ in p_ent])
   s_names = names([p for p, _, _ in s_ent])
   state, n, axis = [], 1, None
+  data = data_axis(params, opt_state)
   for (path, _, x), name in zip(s_ent, s_names):
     rec = leaf_record(path, name, x)
-    dim, ax, size = sharded_dim(x)
+    dim, ax, size = sharded_dim(x, data)
     rec["dim"] = dim
     if dim is not None:
       n, axis = size, ax or axis
@@ -195,14 +216,17 @@ def check(meta: dict, tx, params_template, mesh, where: str
     if tuple(rec["shape"]) != shape or rec["dtype"] != dtype:
       raise fail(f"parameter {path} is {rec['dtype']}{list(rec['shape'])} in "
                  f"the checkpoint but {dtype}{list(shape)} in the model")
-  rep = NamedSharding(mesh, P())
   p_target = Target(jax.tree.structure(params_template),
                     [r["name"] for r in saved],
                     [jax.ShapeDtypeStruct(tuple(np.shape(x)), x.dtype)
-                     for _, x in want], [rep] * len(want))
-  # Optimizer state: global shapes at the new N and N-independent ones.
-  n = zstep._axis_size(tx, mesh)
-  layout = lay.plan(params_template, n)
+                     for _, x in want],
+                    jax.tree.leaves(zstep.param_shardings(tx, params_template,
+                                                          mesh)))
+  # Optimizer state: global shapes at the new N and N-independent ones (on a
+  # 2-D mesh: of each block's 1/N split, gathered; :mod:`..core.param_axes`).
+  n = zstep.data_size(tx, mesh)
+  layout = pax.global_layout(params_template, n,
+                             zstep.param_axes(tx, params_template, mesh))
   mdt = tx.config.master_dtype
 
   def abstract(shape_of):

@@ -171,14 +171,19 @@ def all_gather(shards: dict[int, jax.Array], layout: Layout,
 
 def psum_replicated(grads: Sequence[jax.Array | None], layout: Layout,
                     axis_name: str) -> dict[int, jax.Array]:
-  """All-reduces the REPLICATE (scalar) leaves, one psum per dtype."""
+  """All-reduces the REPLICATE leaves (scalars; on a 2-D mesh also blocks
+  not split over the axis), one psum per dtype."""
   groups: dict[jnp.dtype, list[int]] = {}
   for i, spec in enumerate(layout.leaves):
     if spec.kind == REPLICATE:
       groups.setdefault(jnp.dtype(grads[i].dtype), []).append(i)
   out = {}
   for _, idx in groups.items():
-    total = jax.lax.psum(jnp.stack([grads[i] for i in idx]), axis_name)
-    for k, i in enumerate(idx):
-      out[i] = total[k]
+    flat = jnp.concatenate([jnp.reshape(grads[i], -1) for i in idx])
+    total = jax.lax.psum(flat, axis_name)
+    at = 0
+    for i in idx:
+      size = layout.leaves[i].shard_size
+      out[i] = total[at:at + size].reshape(layout.leaves[i].shape)
+      at += size
   return out

@@ -84,21 +84,27 @@ def _handed(layout: lay.Layout) -> str:
 
 
 def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
-                     dtype: Any = jnp.float32) -> tuple[Any, list, list]:
-  """``(treedef, dims, shapes)`` of ``inner``'s state on ``layout``'s shards: per
-  state leaf, the dim it is sharded on like its parameter, or None
-  (replicated: counts, hyperparameters, keys, scalar-parameter moments).
+                     dtype: Any = jnp.float32) -> tuple[Any, list, list, list]:
+  """``(treedef, dims, shapes, owners)`` of ``inner``'s state on ``layout``'s
+  shards: per state leaf, the dim it is sharded on like its parameter, or
+  None (replicated: counts, hyperparameters, keys, scalar-parameter moments,
+  moments of leaves not split over the data axis); and the index of the
+  parameter leaf it is shaped like, or None (nothing parameter-shaped).
 
   ``inner.init`` is evaluated abstractly on the shard shapes and again with
-  leaf ``i``'s shard dim grown by ``i + 1``; a leaf whose shape moves must be
-  shaped like leaf ``i``'s shard in both, else :class:`Refused`.
+  leaf ``i``'s shard dim (dim 0 for an unsplit, non-scalar leaf) grown by
+  ``i + 1``; a leaf whose shape moves must be shaped like leaf ``i``'s shard
+  in both, else :class:`Refused`.
   """
+  def grows(s):
+    return s.kind == lay.SHARD or (s.kind == lay.REPLICATE and s.shape)
+
   def shards(grow: bool):
     out = []
     for i, s in enumerate(layout.leaves):
       shape = list(s.shard_shape)
-      if grow and s.kind == lay.SHARD:
-        shape[s.dim] += i + 1
+      if grow and grows(s):
+        shape[max(s.dim, 0)] += i + 1
       out.append(jax.ShapeDtypeStruct(tuple(shape), dtype))
     return layout.inner_tree(out)
 
@@ -110,20 +116,23 @@ def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
   b_leaves, b_def = jax.tree.flatten(b)
   if a_def != b_def:
     raise Refused("its state structure depends on the parameter shapes")
-  by_grow = {i + 1: s for i, s in enumerate(layout.leaves) if s.kind == lay.SHARD}
-  dims = []
+  by_grow = {i + 1: i for i, s in enumerate(layout.leaves) if grows(s)}
+  dims, owners = [], []
   for (path, x), y in zip(a_leaves, b_leaves):
     if x.shape == y.shape:
       dims.append(None)
+      owners.append(None)
       continue
     delta = [j for j, (u, v) in enumerate(zip(x.shape, y.shape)) if u != v]
-    hit = (by_grow.get(y.shape[delta[0]] - x.shape[delta[0]])
-           if len(x.shape) == len(y.shape) and len(delta) == 1 else None)
+    i = (by_grow.get(y.shape[delta[0]] - x.shape[delta[0]])
+         if len(x.shape) == len(y.shape) and len(delta) == 1 else None)
+    hit = None if i is None else layout.leaves[i]
     if hit is None or x.shape != hit.shard_shape:
       raise Refused(f"state leaf {jax.tree_util.keystr(path)} of shape "
                     f"{x.shape} is not shaped like any parameter shard")
-    dims.append(hit.dim)
-  return a_def, dims, [x.shape for _, x in a_leaves]
+    dims.append(hit.dim if hit.kind == lay.SHARD else None)
+    owners.append(i)
+  return a_def, dims, [x.shape for _, x in a_leaves], owners
 
 
 def jaxpr_reason(inner: optax.GradientTransformation, layout: lay.Layout,
@@ -131,7 +140,7 @@ def jaxpr_reason(inner: optax.GradientTransformation, layout: lay.Layout,
   """Why ``inner.update`` on ``layout``'s shards is not elementwise, read
   from its jaxpr; None if every step is."""
   try:
-    _, dims, _ = state_shard_dims(inner, layout, dtype)
+    _, dims, _, _ = state_shard_dims(inner, layout, dtype)
   except Refused as e:
     return e.why
   p = shard_inputs(layout, dtype)
@@ -200,7 +209,7 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
   n = layout.num_shards
   small = probe_layout(layout, n)
   try:
-    _, dims, _ = state_shard_dims(inner, small, dtype)
+    _, dims, _, _ = state_shard_dims(inner, small, dtype)
   except Refused as e:
     return e.why
   rng = np.random.default_rng(seed)

@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -45,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zero1_jax.core import collectives as col
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import layout as lay
+from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
 
 LOCAL = "local"        # this device's own gradient inside shard_map: sum, then / N
@@ -71,8 +73,8 @@ def _no_mesh(axis: str, why: str) -> ValueError:
       f"NamedSharding(mesh, P()))).")
 
 
-def find_mesh(axis: str, *trees: Any) -> tuple[Any, int]:
-  """``(mesh for jax.shard_map, size of axis)``: the ``jax.set_mesh`` mesh
+def find_mesh(axis: str, *trees: Any) -> tuple[Any, Any]:
+  """``(mesh for jax.shard_map, the mesh)``: the ``jax.set_mesh`` mesh
   (``None`` for shard_map: it reads the context), else the mesh of the first
   array in ``trees`` with a ``NamedSharding`` that has ``axis``.
 
@@ -84,7 +86,7 @@ def find_mesh(axis: str, *trees: Any) -> tuple[Any, int]:
     if axis not in ctx.axis_names:
       raise _no_mesh(axis, f"the jax.set_mesh mesh has axes "
                      f"{tuple(ctx.axis_names)}, not '{axis}'")
-    return None, ctx.shape[axis]
+    return None, ctx
   for x in jax.tree.leaves(trees):
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
       sharding = x.sharding
@@ -92,7 +94,7 @@ def find_mesh(axis: str, *trees: Any) -> tuple[Any, int]:
       sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if isinstance(sharding, NamedSharding) and axis in mesh.axis_names:
-      return mesh, mesh.shape[axis]
+      return mesh, mesh
   raise _no_mesh(axis, "no mesh was found (no jax.set_mesh context, and no "
                  f"argument has a NamedSharding with axis '{axis}')")
 
@@ -134,25 +136,63 @@ def local_shards(grads: list, layout: lay.Layout, axis: str) -> dict[int, Any]:
   return out
 
 
-def _param_specs(params: Any, axis: str) -> Any:
-  return jax.tree.map(
-      lambda x: _spec(x, axis, "reduced" if _reduced_over(x, axis, "reduced")
-                      else None), params)
+def _param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
+  """The params' sharding over the mesh's other axes (2-D meshes), read from
+  ``param_specs`` or the arrays / explicitly typed tracers. Under jit on Auto
+  axes it cannot be read: a warning says so, and they count as replicated."""
+  axis = tx.config.axis_name
+  pa = pax.resolve(params, dict(mesh.shape), axis, tx.config.param_specs)
+  auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
+          if a != axis and mesh.shape[a] > 1
+          and t != jax.sharding.AxisType.Explicit]
+  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
+  if pa is None and auto and traced and tx.config.param_specs is None:
+    warnings.warn(
+        f"zero1: under jax.jit the params' sharding over the Auto mesh axes "
+        f"{auto} cannot be read, so they are treated as replicated over them. "
+        f"If they are sharded there (tensor parallel), pass "
+        f"zero1(..., param_specs=<tree of PartitionSpec>) or make those axes "
+        f"Explicit.", stacklevel=4)
+  return pa
+
+
+def _in_specs(tree: Any, pa: pax.ParamAxes | None, axis: str,
+              field_of: Callable[[Any], str | None]) -> Any:
+  """Per leaf: its sharding over the other axes (``pa``), typed
+  ``field_of(leaf)`` (``reduced`` / ``unreduced`` / None) over ``axis``."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out = []
+  for i, x in enumerate(leaves):
+    base = (tuple(pa.param_spec(i)) if pa is not None else ())
+    base = base + (None,) * (jnp.ndim(x) - len(base))
+    field = field_of(x)
+    out.append(P(*base, **({field: {axis}} if field else {})))
+  return treedef.unflatten(out)
+
+
+def _typed(axis: str, field: str) -> Callable[[Any], str | None]:
+  return lambda x: field if _reduced_over(x, axis, field) else None
 
 
 def init(tx: Any, init_in: Callable, params: Any) -> Any:
-  """``tx.init(params)`` outside shard_map: ``init_in`` (the per-device init)
-  inside a shard_map over the found mesh; the state comes out sharded over
-  the data axis as :func:`zero1_jax.core.specs.state_specs` says. Refuses a
+  """``tx.init(params)`` outside shard_map: ``init_in(params, param_axes)``
+  (the per-device init) inside a shard_map over the found mesh; the state
+  comes out sharded over the data axis exactly as :func:`zero1_jax.init`
+  makes it (:func:`zero1_jax.core.specs.state_specs`). Refuses a
   non-elementwise inner optimizer like :func:`zero1_jax.init`."""
   axis = tx.config.axis_name
-  mesh, n = find_mesh(axis, params)
+  mesh, where = find_mesh(axis, params)
+  n = where.shape[axis]
+  pa = _param_axes(tx, params, where)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
                         params)
+  local = shapes if pa is None else pa.local_tree(shapes)
   if tx.config.check_elementwise:
-    ew.check_elementwise(tx.inner, shapes, n, tx.config.master_dtype)
-  specs = zspecs.state_specs(tx, shapes, n)
-  f = jax.shard_map(init_in, mesh=mesh, in_specs=(_param_specs(params, axis),),
+    ew.check_elementwise(tx.inner, local, n, tx.config.master_dtype)
+  specs = zspecs.state_specs(tx, shapes, n, pa)
+  f = jax.shard_map(lambda p: init_in(p, pa), mesh=mesh,
+                    in_specs=(_in_specs(params, pa, axis,
+                                        _typed(axis, "reduced")),),
                     out_specs=specs, check_vma=False)
   return jax.jit(f)(params)   # eager shard_map would dispatch op by op
 
@@ -160,19 +200,23 @@ def init(tx: Any, init_in: Callable, params: Any) -> Any:
 def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
            ) -> tuple[Any, Any]:
   """``tx.update(grads, state, params)`` outside shard_map, on the gradients
-  ``jax.grad`` returns under jit. ``update_in(grads, state, params, mode)`` is
-  the per-device update. Updates come out typed like ``params`` (replicated,
-  or ``reduced`` over the axis), so ``optax.apply_updates`` keeps the params'
-  placement."""
+  ``jax.grad`` returns under jit. ``update_in(grads, state, params, mode,
+  param_axes)`` is the per-device update. Updates come out typed and
+  sharded like ``params`` (replicated or ``reduced`` over the axis, and
+  their own sharding over other axes), so ``optax.apply_updates`` keeps the
+  params' placement."""
   axis = tx.config.axis_name
-  mesh, n = find_mesh(axis, params, grads)
-  layout = lay.plan(params, n)
+  mesh, where = find_mesh(axis, params, grads)
+  n = where.shape[axis]
+  pa = _param_axes(tx, params, where)
+  layout = lay.plan(params if pa is None else pa.local_tree(params), n,
+                    None if pa is None else pa.taken)
   mode = grads_mode(grads, layout, axis)
   g_field = "unreduced" if mode == PARTIAL else None
-  g_specs = jax.tree.map(lambda g: _spec(g, axis, g_field), grads)
-  p_specs = _param_specs(params, axis)
-  s_specs = zspecs.state_specs(tx, params, n)
-  f = jax.shard_map(lambda g, s, p: update_in(g, s, p, mode), mesh=mesh,
+  g_specs = _in_specs(grads, pa, axis, lambda _: g_field)
+  p_specs = _in_specs(params, pa, axis, _typed(axis, "reduced"))
+  s_specs = zspecs.state_specs(tx, params, n, pa)
+  f = jax.shard_map(lambda g, s, p: update_in(g, s, p, mode, pa), mesh=mesh,
                     in_specs=(g_specs, s_specs, p_specs),
                     out_specs=(p_specs, s_specs), check_vma=False)
   return jax.jit(f)(grads, state, params)

@@ -25,7 +25,9 @@ Design (why param-shaped shards):
 Leaf kinds:
   * ``SHARD``: floating leaf with ndim >= 1 and size > 0. State is 1/N.
   * ``REPLICATE``: floating scalar (shape ``()``). Too small to split; its
-    gradient is all-reduced and every device updates it identically.
+    gradient is all-reduced and every device updates it identically. On a
+    mesh with model axes (:mod:`.param_axes`) also a leaf whose every dim is
+    already sharded over them and none of whose local dims N divides.
   * ``STATIC``: non-floating (integer, bool) or zero-size leaves. Passed
     through untouched; the inner optimizer sees ``None`` there.
 """
@@ -122,29 +124,42 @@ class Layout(NamedTuple):
     return sum(l.pad for l in self.leaves if l.kind == SHARD)
 
 
-def choose_shard_dim(shape: Sequence[int], n: int) -> int:
+def choose_shard_dim(shape: Sequence[int], n: int,
+                     taken: Sequence[int] = ()) -> int | None:
   """The dimension a leaf is split on: the first divisible by ``n``, else the
-  one whose padding to a multiple of ``n`` costs the fewest elements."""
-  for d, size in enumerate(shape):
-    if size % n == 0:
+  one whose padding to a multiple of ``n`` costs the fewest elements.
+
+  ``taken``: dims already sharded over other mesh axes (``shape`` is then the
+  local block). They are avoided, so that the state's padding stays at the
+  end of one whole dim; when every dim is taken, the first one ``n`` divides
+  (no padding), else None (the leaf is not split).
+  """
+  free = [d for d in range(len(shape)) if d not in taken]
+  if not free:
+    return next((d for d in range(len(shape)) if shape[d] % n == 0), None)
+  for d in free:
+    if shape[d] % n == 0:
       return d
   size = math.prod(shape)
 
   def padded(d):
     return size // shape[d] * (-(-shape[d] // n) * n)
 
-  return min(range(len(shape)), key=lambda d: (padded(d), d))
+  return min(free, key=lambda d: (padded(d), d))
 
 
-def leaf_spec(shape: Sequence[int], dtype: Any, n: int) -> LeafSpec:
+def leaf_spec(shape: Sequence[int], dtype: Any, n: int,
+              taken: Sequence[int] = ()) -> LeafSpec:
+  """How one leaf of ``shape`` is split over ``n`` devices; ``taken`` as in
+  :func:`choose_shard_dim`."""
   shape = tuple(int(s) for s in shape)
   dtype = np.dtype(dtype)
   floating = jax.numpy.issubdtype(dtype, jax.numpy.floating)
   if not floating or math.prod(shape) == 0:
     return LeafSpec(STATIC, shape, dtype, -1, shape, shape)
-  if not shape:
+  d = choose_shard_dim(shape, n, taken) if shape else None
+  if d is None:
     return LeafSpec(REPLICATE, shape, dtype, -1, shape, shape)
-  d = choose_shard_dim(shape, n)
   rows = -(-shape[d] // n)
   shard = shape[:d] + (rows,) + shape[d + 1:]
   padded = shape[:d] + (rows * n,) + shape[d + 1:]
@@ -152,13 +167,19 @@ def leaf_spec(shape: Sequence[int], dtype: Any, n: int) -> LeafSpec:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(treedef, shapes, dtypes, n) -> Layout:
-  leaves = tuple(leaf_spec(s, t, n) for s, t in zip(shapes, dtypes))
+def _plan(treedef, shapes, dtypes, n, taken) -> Layout:
+  taken = taken or ((),) * len(shapes)
+  leaves = tuple(leaf_spec(s, t, n, k)
+                 for s, t, k in zip(shapes, dtypes, taken))
   return Layout(treedef, leaves, n)
 
 
-def plan(tree: Any, num_shards: int) -> Layout:
+def plan(tree: Any, num_shards: int,
+         taken: tuple[tuple[int, ...], ...] | None = None) -> Layout:
   """Plans the split of ``tree`` (arrays or ShapeDtypeStructs) over N devices.
+
+  ``taken[i]``: the dims of leaf ``i`` sharded over mesh axes other than the
+  data axis (``tree`` then holds local blocks; :mod:`.param_axes`).
 
   Example:
     >>> import jax.numpy as jnp
@@ -171,7 +192,8 @@ def plan(tree: Any, num_shards: int) -> Layout:
   leaves, treedef = jax.tree.flatten(tree)
   shapes = tuple(tuple(np.shape(x)) for x in leaves)
   dtypes = tuple(np.dtype(x.dtype) for x in leaves)
-  return _plan(treedef, shapes, dtypes, int(num_shards))
+  return _plan(treedef, shapes, dtypes, int(num_shards),
+               None if taken is None else tuple(map(tuple, taken)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import layout as lay
+from zero1_jax.core import param_axes as pax
 from zero1_jax.core import precision
 from zero1_jax.core.state import Zero1State, master_tree
 
@@ -25,19 +26,28 @@ def _spec(dim: int, ndim: int, axis: str) -> P:
   return P(*parts)
 
 
-def state_specs(tx: Any, params: Any, num_shards: int) -> Zero1State:
+def state_specs(tx: Any, params: Any, num_shards: int,
+                param_axes: pax.ParamAxes | None = None) -> Zero1State:
   """PartitionSpecs of ``tx``'s state (``tx`` from :func:`zero1_jax.zero1`)
-  for ``params`` over ``num_shards``."""
+  for ``params`` over ``num_shards``. With ``param_axes`` (params sharded
+  over other mesh axes too) each state leaf takes its parameter's spec with
+  the data axis added on its shard dim."""
   axis = tx.config.axis_name
-  layout = lay.plan(params, num_shards)
   mdt = tx.config.master_dtype
+  if param_axes is None:
+    layout = lay.plan(params, num_shards)
+    spec = lambda i: _leaf_spec(layout.leaves[i], axis)
+  else:
+    layout = lay.plan(param_axes.local_tree(params), num_shards,
+                      param_axes.taken)
+    spec = lambda i: param_axes.state_spec(i, layout.leaves[i])
 
-  treedef, dims, shapes = ew.state_shard_dims(tx.inner, layout, mdt)
-  inner_specs = [P() if d is None else _spec(d, len(x), axis)
-                 for d, x in zip(dims, shapes)]
-  inner = treedef.unflatten(inner_specs)
-  master = master_tree(layout, mdt, [
-      _spec(s.dim, len(s.shape), axis) if s.kind == lay.SHARD else P()
-      for s in layout.leaves])
+  treedef, _, _, owners = ew.state_shard_dims(tx.inner, layout, mdt)
+  inner = treedef.unflatten([P() if i is None else spec(i) for i in owners])
+  master = master_tree(layout, mdt, [spec(i) for i in range(len(layout.leaves))])
   ls = precision.LossScaleState(P(), P(), P(), P())
   return Zero1State(master, inner, ls)
+
+
+def _leaf_spec(s: lay.LeafSpec, axis: str) -> P:
+  return _spec(s.dim, len(s.shape), axis) if s.kind == lay.SHARD else P()

@@ -26,9 +26,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero1_jax.core import elementwise as ew
+from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
 from zero1_jax.core.transform import Zero1State, Zero1Transformation
+
+
+def data_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh) -> int:
+  """The size of ``tx``'s data axis on ``mesh``; ValueError naming the fix
+  when the mesh lacks it."""
+  return _axis_size(tx, mesh)
 
 
 def _axis_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh) -> int:
@@ -56,10 +63,32 @@ def _replicated(mesh, tree):
   return jax.tree.map(lambda _: P(), tree)
 
 
+def param_axes(tx: Zero1Transformation, params: Any,
+               mesh: jax.sharding.Mesh) -> pax.ParamAxes | None:
+  """How ``params`` are sharded over ``mesh``'s axes other than the data axis
+  (``tx.config.param_specs``, else the arrays' ``NamedSharding`` or Flax
+  ``nn.Partitioned`` names); None when they are not."""
+  _axis_size(tx, mesh)
+  return pax.resolve(params, dict(mesh.shape), tx.config.axis_name,
+                     tx.config.param_specs)
+
+
+def param_shardings(tx: Zero1Transformation, params: Any,
+                    mesh: jax.sharding.Mesh) -> Any:
+  """``NamedSharding``s the params train with: replicated over the data
+  axis, and as :func:`param_axes` says over the others."""
+  pa = param_axes(tx, params, mesh)
+  specs = (_replicated(mesh, pax.unbox(params)) if pa is None
+           else pa.param_specs(pax.unbox(params)))
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
 def state_shardings(tx: Zero1Transformation, params: Any,
                     mesh: jax.sharding.Mesh) -> Zero1State:
   """``NamedSharding``s of ``tx``'s state for ``params`` on ``mesh``."""
-  specs = zspecs.state_specs(tx, params, _axis_size(tx, mesh))
+  pa = param_axes(tx, params, mesh)
+  specs = zspecs.state_specs(tx, pax.unbox(params), _axis_size(tx, mesh), pa)
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, P))
 
@@ -76,14 +105,18 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
       so the master loses nothing to the cast. None: train them as given.
 
   Returns:
-    ``(params, opt_state)``: params replicated (``P()``), opt_state sharded
-    over ``tx.config.axis_name`` as given by :func:`state_shardings`.
+    ``(params, opt_state)``: params replicated over the data axis (``P()``,
+    or their own sharding over other mesh axes: :func:`param_axes`),
+    opt_state sharded over ``tx.config.axis_name`` as given by
+    :func:`state_shardings`.
 
   Raises:
     ValueError: the mesh lacks the axis, or the inner optimizer is not
       elementwise.
   """
   n = _axis_size(tx, mesh)
+  pa = param_axes(tx, params, mesh)
+  params = pax.unbox(params)
 
   def cast(t):
     if param_dtype is None:
@@ -92,18 +125,22 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
 
   train = jax.eval_shape(cast, params)
-  specs = zspecs.state_specs(tx, train, n)
+  specs = zspecs.state_specs(tx, train, n, pa)
+  local = train if pa is None else pa.local_tree(train)
   if tx.config.check_elementwise:
-    ew.check_elementwise(tx.inner, train, n, tx.config.master_dtype)
-  rep = NamedSharding(mesh, P())
+    ew.check_elementwise(tx.inner, local, n, tx.config.master_dtype)
+  p_specs = _replicated(mesh, params) if pa is None else pa.param_specs(params)
+  placed = jax.tree.map(lambda s: NamedSharding(mesh, s), p_specs,
+                        is_leaf=lambda x: isinstance(x, P))
   # A fresh copy: the step donates params, and the caller keeps theirs.
-  values = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=rep)(params)
-  make = jax.jit(_shard_map(lambda t: tx.init_from(train, t), mesh, (P(),),
-                            specs))
+  values = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
+                   out_shardings=placed)(params)
+  make = jax.jit(_shard_map(lambda t: tx.init_from(local, t, param_axes=pa),
+                            mesh, (p_specs,), specs))
   opt_state = make(values)
   if param_dtype is None:
     return values, opt_state
-  return jax.jit(cast, out_shardings=rep, donate_argnums=0)(values), opt_state
+  return jax.jit(cast, out_shardings=placed, donate_argnums=0)(values), opt_state
 
 
 def batch_size(batch, accum: int, n: int) -> int:
@@ -199,9 +236,9 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
 
   stage2 = tx.config.stage == 2
 
-  def per_device(params, opt_state: Zero1State, batch):
-    scale = opt_state.loss_scale.scale
-
+  def local_grads(params, scale, batch):
+    """This device's gradients (stage 2: its reduced shards) summed over the
+    micro-batches, with the loss and aux summed likewise."""
     def scaled_loss(p, mb):
       out = loss_fn(p, mb)
       loss, aux = out if has_aux else (out, None)
@@ -228,26 +265,70 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       rest = jax.tree.map(lambda x: x[1:], batch)
       carry, _ = jax.lax.scan(lambda c, mb: (micro(c, mb), None), carry, rest)
     grads, loss, aux = carry
-    new_params, new_state, info = tx.apply(grads, opt_state, params,
-                                           pre_reduced=stage2)
-    metrics = {"loss": jax.lax.pmean(loss / accum, axis),
-               "grad_norm": info.grad_norm, "skipped": info.skipped,
-               "loss_scale": info.loss_scale}
+    metrics = {"loss": jax.lax.pmean(loss / accum, axis)}
     if has_aux:
       metrics["aux"] = jax.lax.pmean(jax.tree.map(lambda a: a / accum, aux), axis)
-    return new_params, new_state, metrics
+    return grads, metrics
 
-  def step(params, opt_state, batch):
-    specs = zspecs.state_specs(tx, params, n)
+  def with_info(metrics, info):
+    return {"loss": metrics["loss"], "grad_norm": info.grad_norm,
+            "skipped": info.skipped, "loss_scale": info.loss_scale,
+            **({"aux": metrics["aux"]} if has_aux else {})}
+
+  def per_device(params, opt_state: Zero1State, batch):
+    grads, metrics = local_grads(params, opt_state.loss_scale.scale, batch)
+    new_params, new_state, info = tx.apply(grads, opt_state, params,
+                                           pre_reduced=stage2)
+    return new_params, new_state, with_info(metrics, info)
+
+  def step(params, opt_state, batch, pa):
+    specs = zspecs.state_specs(tx, params, n, pa)
     batch = _split_batch(batch, accum, mesh, axis)
+    b_specs = jax.tree.map(lambda _: P(None, axis), batch)
     rep = _replicated(mesh, params)
-    f = _shard_map(per_device, mesh,
-                   (rep, specs, jax.tree.map(lambda _: P(None, axis), batch)),
-                   (rep, specs, P()))
-    return f(params, opt_state, batch)
+    if pa is None:
+      f = _shard_map(per_device, mesh, (rep, specs, b_specs), (rep, specs, P()))
+      return f(params, opt_state, batch)
+    # Params sharded over other mesh axes too (tensor parallel): the loss
+    # runs manual over the data axis only (the other axes stay with the
+    # partitioner, as the model was written), each device's gradients leave
+    # stacked over the data axis, and the update runs on blocks, manual over
+    # every axis, so no collective over the other axes touches a block.
+    grads, metrics = jax.shard_map(
+        lambda p, sc, b: (lambda g, m: (
+            jax.tree.map(lambda x: x[None], g), m))(*local_grads(p, sc, b)),
+        mesh=mesh, in_specs=(rep, P(), b_specs), out_specs=(
+            jax.tree.map(lambda _: P(axis), params), P()),
+        axis_names={axis}, check_vma=False)(
+            params, opt_state.loss_scale.scale, batch)
+    p_specs = pa.param_specs(params)
+    g_specs = jax.tree.map(lambda s: P(axis, *s), p_specs,
+                           is_leaf=lambda x: isinstance(x, P))
 
-  return _OnMesh(jax.jit(step, donate_argnums=(0, 1) if donate else ()),
-                 NamedSharding(mesh, P(axis)), accum)
+    def update(g, s, p):
+      g = jax.tree.map(lambda x: x[0], g)
+      new_params, new_state, info = tx.apply(g, s, p, param_axes=pa)
+      return new_params, new_state, with_info(metrics, info)
+
+    f = _shard_map(update, mesh, (g_specs, specs, p_specs),
+                   (p_specs, specs, P()))
+    return f(grads, opt_state, params)
+
+  def axes_of(params):
+    pa = param_axes(tx, params, mesh)
+    if pa is not None and stage2:
+      raise ValueError(_NO_STAGE2_2D)
+    return pa
+
+  return _OnMesh(jax.jit(step, donate_argnums=(0, 1) if donate else (),
+                         static_argnums=3),
+                 NamedSharding(mesh, P(axis)), accum, n, axes_of)
+
+
+_NO_STAGE2_2D = (
+    "zero1: ZeRO-2 (zero2 / DeepSpeed stage 2) does not yet support params "
+    "sharded over mesh axes other than the data axis: use zero1 (stage 1) on "
+    "such a mesh, or replicate the params over the other axes.")
 
 
 class _OnMesh:
@@ -256,14 +337,17 @@ class _OnMesh:
   Host arrays and arrays already on the mesh pass straight through.
   ``lower``/``trace``/``eval_shape`` and the rest are the jitted function's."""
 
-  def __init__(self, jitted, batch_sharding: NamedSharding, accum: int):
+  def __init__(self, jitted, batch_sharding: NamedSharding, accum: int,
+               n: int, axes_of: Callable):
     self._jitted = jitted
     self._sharding = batch_sharding
     self._devices = set(batch_sharding.mesh.devices.flat)
     self._accum = accum
+    self._n = n
+    self._axes_of = axes_of
 
   def _place(self, batch):
-    batch_size(batch, self._accum, len(self._devices))
+    batch_size(batch, self._accum, self._n)
 
     def one(x):
       sharding = getattr(x, "sharding", None)
@@ -274,10 +358,12 @@ class _OnMesh:
     return jax.tree.map(one, batch)
 
   def __call__(self, params, opt_state, batch):
-    return self._jitted(params, opt_state, self._place(batch))
+    return self._jitted(params, opt_state, self._place(batch),
+                        self._axes_of(params))
 
   def lower(self, params, opt_state, batch):
-    return self._jitted.lower(params, opt_state, self._place(batch))
+    return self._jitted.lower(params, opt_state, self._place(batch),
+                              self._axes_of(params))
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)

@@ -33,11 +33,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zero1_jax.core import checks as chk
 from zero1_jax.core import collectives as col
 from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
 from zero1_jax.core import precision
-from zero1_jax.core.state import Zero1State, master_tree, stores_master
+from zero1_jax.core import param_axes as pax
+from zero1_jax.core.state import Zero1State, master_tree
 
 
 class StepInfo(NamedTuple):
@@ -60,6 +62,7 @@ class Zero1Config:
   clip_rule: str = "optax"
   inplace_bytes: int | None | str = "auto"
   stage: int = 1   # 2: train_step reduces gradients in the backward (zero2.py)
+  param_specs: Any = dataclasses.field(default=None, compare=False)
 
   def inplace_threshold(self, num_shards: int = 2) -> int | None:
     """``inplace_bytes`` resolved: ``"auto"`` is 64 KiB on backends whose
@@ -132,82 +135,6 @@ def _axis_size(axis_name: str) -> int:
         f"axis_name=<your data axis> to zero1).") from e
 
 
-def _leaves_with_none(tree) -> list:
-  return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-
-
-def _check_master(state, layout: lay.Layout, master_dtype) -> list:
-  """``state.master``'s leaves (None where not stored), or a ValueError that
-  says which parameter's dtype differs from the one the state was built for."""
-  try:
-    leaves = layout.treedef.flatten_up_to(state.master)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"zero1: opt_state.master does not match the parameter "
-                     f"tree ({e}).") from None
-  for (path, _), m, s in zip(
-      jax.tree_util.tree_flatten_with_path(
-          layout.treedef.unflatten([0] * len(layout.leaves)))[0],
-      leaves, layout.leaves):
-    if (m is None) == stores_master(s, master_dtype):
-      what = ("has a master copy" if m is not None else "has no master copy")
-      raise ValueError(
-          f"zero1: opt_state.master{jax.tree_util.keystr(path)} {what}, but "
-          f"the parameter is {jnp.dtype(s.dtype).name} (master dtype "
-          f"{jnp.dtype(master_dtype).name}): the state was built for params of "
-          f"another dtype. Build it from the params you train, e.g. "
-          f"z1.init(tx, params, mesh, param_dtype=...) to cast them after "
-          f"taking the master.")
-  return leaves
-
-
-def check_tree(what: str, tree, layout: lay.Layout) -> list:
-  """Leaves of ``tree``; ValueError naming the first path that differs."""
-  leaves, treedef = jax.tree.flatten(tree)
-  if treedef != layout.treedef:
-    want = [jax.tree_util.keystr(p) for p, _ in
-            jax.tree_util.tree_flatten_with_path(
-                layout.treedef.unflatten([0] * len(layout.leaves)))[0]]
-    got = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(tree)[0]]
-    first = next((f"{w!r} vs {g!r}" for w, g in zip(want, got) if w != g),
-                 f"{len(want)} leaves expected, {len(got)} given")
-    raise ValueError(f"zero1: {what} tree does not match the parameter tree "
-                     f"(first difference: {first}). Pass {what} with the same "
-                     f"structure as params.")
-  for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
-                             layout.leaves):
-    if tuple(x.shape) != spec.shape:
-      raise ValueError(
-          f"zero1: {what}{jax.tree_util.keystr(path)} has shape "
-          f"{tuple(x.shape)} but the parameter has {spec.shape}.")
-  return leaves
-
-
-def check_shards(tree, layout: lay.Layout) -> list:
-  """Leaves of already-reduced gradients (``apply(..., pre_reduced=True)``):
-  this device's ``shard_shape`` piece at sharded leaves, the scalar at
-  replicated ones, anything (None) at static ones, which come back as
-  ShapeDtypeStructs of the parameter; ValueError otherwise."""
-  try:
-    leaves = layout.treedef.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"zero1: pre-reduced grads do not match the parameter "
-                     f"tree ({e}).") from None
-  for i, (x, spec) in enumerate(zip(leaves, layout.leaves)):
-    if spec.kind == lay.STATIC:
-      leaves[i] = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
-    elif tuple(jnp.shape(x)) != spec.shard_shape:
-      path = jax.tree_util.tree_flatten_with_path(
-          layout.treedef.unflatten(range(len(leaves))))[0][i][0]
-      raise ValueError(
-          f"zero1: pre-reduced grads{jax.tree_util.keystr(path)} has shape "
-          f"{tuple(jnp.shape(x))} "
-          f"but this device's shard is {spec.shard_shape}. pre_reduced=True "
-          f"takes the summed 1/N shards (zero2's train_step); pass whole local "
-          f"gradients without it.")
-  return leaves
-
-
 def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           reduce: str = "reduce_scatter", bucket_bytes: int = 1 << 26,
           gather_bucket_bytes: int | None = None,
@@ -215,7 +142,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           loss_scale: precision.LossScale | None = None,
           reduce_dtype: Any = None, check_elementwise: bool = True,
           clip_rule: str = "optax",
-          inplace_bytes: int | None | str = "auto") -> Zero1Transformation:
+          inplace_bytes: int | None | str = "auto",
+          param_specs: Any = None) -> Zero1Transformation:
   """Shards ``inner``'s state and the master weights over ``axis_name``.
 
   Args:
@@ -248,6 +176,12 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       ``bucket_bytes``. None: pack every leaf. ``"auto"``: 64 KiB on GPU/TPU
       and for stage 2, None for stage 1 on CPU
       (:meth:`Zero1Config.inplace_threshold` says why).
+    param_specs: a tree of ``PartitionSpec`` like the params, naming the mesh
+      axes other than ``axis_name`` each parameter is sharded over (tensor
+      parallelism on a 2-D mesh, :mod:`zero1_jax.core.param_axes`). Only
+      needed where the params do not say it themselves: :func:`zero1_jax.init`,
+      :func:`zero1_jax.train_step` and plain ``jax.jit`` code read it from the
+      arrays' ``NamedSharding``; your own ``shard_map`` over both axes needs it.
 
   Returns:
     A :class:`Zero1Transformation`. Its ``update(grads, state, params)``
@@ -268,13 +202,26 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
   """
   cfg = Zero1Config(axis_name, reduce, bucket_bytes, gather_bucket_bytes,
                     master_dtype, max_grad_norm, loss_scale, reduce_dtype,
-                    check_elementwise, clip_rule, inplace_bytes)
+                    check_elementwise, clip_rule, inplace_bytes,
+                    param_specs=param_specs)
   axis = axis_name
 
-  def init_from(params, values) -> Zero1State:
-    layout = lay.plan(params, _axis_size(axis))
+  def axes_of(params, param_axes):
+    """The params' non-data sharding inside shard_map: given by the caller
+    (init / train_step / jit mode), else from ``param_specs``, else none."""
+    if param_axes is not None or cfg.param_specs is None:
+      return param_axes
+    return pax.resolve(params, pax.bound_sizes(cfg.param_specs, axis), axis,
+                       cfg.param_specs, blocks=True)
+
+  def layout_of(params, param_axes):
+    return lay.plan(params, _axis_size(axis),
+                    None if param_axes is None else param_axes.taken)
+
+  def init_from(params, values, param_axes=None) -> Zero1State:
+    layout = layout_of(params, axes_of(params, param_axes))
     shards = []
-    for x, spec in zip(check_tree("values", values, layout), layout.leaves):
+    for x, spec in zip(chk.check_tree("values", values, layout), layout.leaves):
       if spec.kind == lay.SHARD:
         x = col.local_shard(x, spec, axis)
       shards.append(None if spec.kind == lay.STATIC
@@ -285,16 +232,17 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
 
   def init_fn(params) -> Zero1State:
     if not jm.axis_bound(axis):   # plain jit / eager under a mesh
-      return jm.init(tx, lambda p: init_from(p, p), params)
+      return jm.init(tx, lambda p, pa: init_from(p, p, param_axes=pa), params)
     return init_from(params, params)
 
   def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL,
-               *, pre_reduced: bool = False):
-    layout = lay.plan(params, _axis_size(axis))
+               *, pre_reduced: bool = False, param_axes=None):
+    pa = axes_of(params, param_axes)
+    layout = layout_of(params, pa)
     n = layout.num_shards
     p_leaves = jax.tree.leaves(params)
-    g_leaves = (check_shards(grads, layout) if pre_reduced
-                else check_tree("grads", grads, layout))
+    g_leaves = (chk.check_shards(grads, layout) if pre_reduced
+                else chk.check_tree("grads", grads, layout))
     scaler = _loss_scaler(cfg, params)
     comm = [jnp.dtype(cfg.reduce_dtype or g.dtype) for g in g_leaves]
     # tx.config, not cfg: zero2() sets the stage after this closure was made.
@@ -326,10 +274,17 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     denom = (scale * (n if grads_are == jm.LOCAL else 1)).astype(jnp.float32)
 
     # 2. Global norm of the averaged gradient: shards are disjoint, replicated
-    # leaves count once.
-    sq = lambda kind: sum((jnp.sum(jnp.square(r[i].astype(jnp.float32)))
-                           for i in layout.indices(kind)), jnp.float32(0))
-    g_norm = jnp.sqrt(jax.lax.psum(sq(lay.SHARD), axis) + sq(lay.REPLICATE)) / denom
+    # leaves count once; on a 2-D mesh each block once (param_axes).
+    groups: dict[tuple, Any] = {}
+    for i in sorted(r):
+      v, spec = r[i], layout.leaves[i]
+      over = (pa.norm_axes(i, spec) if pa is not None
+              else (axis,) if spec.kind == lay.SHARD else ())
+      groups[over] = groups.get(over, jnp.float32(0)) + jnp.sum(
+          jnp.square(v.astype(jnp.float32)))
+    g_norm = jnp.sqrt(sum((jax.lax.psum(v, over) if over else v
+                           for over, v in sorted(groups.items())),
+                          jnp.float32(0))) / denom
     if cfg.max_grad_norm is not None and cfg.clip_rule == "deepspeed":
       # runtime/zero/stage_1_and_2.py: clip = max(1, (norm + 1e-6) / c); the
       # gradients are divided by clip x loss scale.
@@ -346,7 +301,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
 
     # 3. Inner update on the master shards: the stored ones, and for params
     # already in the master dtype their own shard (bitwise the master).
-    stored = _check_master(state, layout, cfg.master_dtype)
+    stored = chk.check_master(state, layout, cfg.master_dtype)
     view = []
     for m, p, spec in zip(stored, p_leaves, layout.leaves):
       if m is None and spec.kind == lay.SHARD:
@@ -363,7 +318,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           lambda a, b: jnp.where(skipped, a, b), old, new)
       new_view = keep(view, new_view)
       new_inner = keep(state.inner, new_inner)
-    m_leaves = _leaves_with_none(new_view)
+    m_leaves = chk.leaves_with_none(new_view)
     new_state = Zero1State(master_tree(layout, cfg.master_dtype, m_leaves),
                            new_inner, scaler.update(state.loss_scale, skipped))
 
@@ -390,8 +345,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       return jm.update(tx, update_as, grads, state, params)
     return update_as(grads, state, params, jm.LOCAL)
 
-  def update_as(grads, state, params, grads_are):
-    new_params, new_state, _ = apply_fn(grads, state, params, grads_are)
+  def update_as(grads, state, params, grads_are, param_axes=None):
+    new_params, new_state, _ = apply_fn(grads, state, params, grads_are,
+                                        param_axes=param_axes)
 
     def diff(new, p):
       p = jnp.asarray(p)

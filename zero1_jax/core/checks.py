@@ -1,0 +1,88 @@
+"""Checks of what :func:`zero1_jax.zero1`'s update is handed: each tree
+against the parameter layout, with errors naming the first path that differs
+and the fix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zero1_jax.core import layout as lay
+from zero1_jax.core.state import stores_master
+
+
+def leaves_with_none(tree) -> list:
+  return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
+
+
+def check_master(state, layout: lay.Layout, master_dtype) -> list:
+  """``state.master``'s leaves (None where not stored), or a ValueError that
+  says which parameter's dtype differs from the one the state was built for."""
+  try:
+    leaves = layout.treedef.flatten_up_to(state.master)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"zero1: opt_state.master does not match the parameter "
+                     f"tree ({e}).") from None
+  for (path, _), m, s in zip(
+      jax.tree_util.tree_flatten_with_path(
+          layout.treedef.unflatten([0] * len(layout.leaves)))[0],
+      leaves, layout.leaves):
+    if (m is None) == stores_master(s, master_dtype):
+      what = ("has a master copy" if m is not None else "has no master copy")
+      raise ValueError(
+          f"zero1: opt_state.master{jax.tree_util.keystr(path)} {what}, but "
+          f"the parameter is {jnp.dtype(s.dtype).name} (master dtype "
+          f"{jnp.dtype(master_dtype).name}): the state was built for params of "
+          f"another dtype. Build it from the params you train, e.g. "
+          f"z1.init(tx, params, mesh, param_dtype=...) to cast them after "
+          f"taking the master.")
+  return leaves
+
+
+def check_tree(what: str, tree, layout: lay.Layout) -> list:
+  """Leaves of ``tree``; ValueError naming the first path that differs."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if treedef != layout.treedef:
+    want = [jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(
+                layout.treedef.unflatten([0] * len(layout.leaves)))[0]]
+    got = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(tree)[0]]
+    first = next((f"{w!r} vs {g!r}" for w, g in zip(want, got) if w != g),
+                 f"{len(want)} leaves expected, {len(got)} given")
+    raise ValueError(f"zero1: {what} tree does not match the parameter tree "
+                     f"(first difference: {first}). Pass {what} with the same "
+                     f"structure as params.")
+  for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
+                             layout.leaves):
+    if tuple(x.shape) != spec.shape:
+      raise ValueError(
+          f"zero1: {what}{jax.tree_util.keystr(path)} has shape "
+          f"{tuple(x.shape)} but the parameter has {spec.shape}.")
+  return leaves
+
+
+def check_shards(tree, layout: lay.Layout) -> list:
+  """Leaves of already-reduced gradients (``apply(..., pre_reduced=True)``):
+  this device's ``shard_shape`` piece at sharded leaves, the scalar at
+  replicated ones, anything (None) at static ones, which come back as
+  ShapeDtypeStructs of the parameter; ValueError otherwise."""
+  try:
+    leaves = layout.treedef.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"zero1: pre-reduced grads do not match the parameter "
+                     f"tree ({e}).") from None
+  for i, (x, spec) in enumerate(zip(leaves, layout.leaves)):
+    if spec.kind == lay.STATIC:
+      leaves[i] = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
+    elif tuple(jnp.shape(x)) != spec.shard_shape:
+      path = jax.tree_util.tree_flatten_with_path(
+          layout.treedef.unflatten(range(len(leaves))))[0][i][0]
+      raise ValueError(
+          f"zero1: pre-reduced grads{jax.tree_util.keystr(path)} has shape "
+          f"{tuple(jnp.shape(x))} "
+          f"but this device's shard is {spec.shard_shape}. pre_reduced=True "
+          f"takes the summed 1/N shards (zero2's train_step); pass whole local "
+          f"gradients without it.")
+  return leaves

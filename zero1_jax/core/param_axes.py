@@ -1,0 +1,217 @@
+"""Parameters sharded over mesh axes other than the data axis (2-D meshes).
+
+On a mesh such as ``("data", "model")`` with the weights tensor-parallel on
+``"model"`` (``NamedSharding(mesh, P(None, "model"))``), each device holds a
+*block* of every such parameter. ZeRO-1 then works on blocks: each device's
+master and optimizer state is 1/N_data of its own block (Megatron-Core's
+distributed optimizer shards state over the data-parallel ranks inside each
+tensor-parallel group), gradients are reduced over the data axis only, and
+the parameters keep their sharding.
+
+:class:`ParamAxes` records, per parameter leaf and dim, the mesh axes that
+shard it. :func:`resolve` reads them from ``param_specs``, from the arrays'
+``NamedSharding`` or from Flax partitioning metadata (``nn.Partitioned``).
+The split over the data axis avoids the dims those axes already shard
+(:func:`zero1_jax.core.layout.choose_shard_dim`), so a state leaf's global
+view is the parameter zero-padded at the end of one dim, as on a 1-D mesh:
+checkpoints move between mesh shapes unchanged.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jax.sharding import PartitionSpec as P
+  >>> params = {"b": jnp.zeros(8), "w": jnp.zeros((6, 8))}
+  >>> pa = resolve(params, {"data": 4, "model": 2}, "data",
+  ...              {"b": P("model"), "w": P(None, "model")})
+  >>> pa.taken, [pa.local_shape(i, x.shape) for i, x in
+  ...            enumerate(jax.tree.leaves(params))]
+  (((0,), (1,)), [(4,), (6, 4)])
+  >>> from zero1_jax.core import layout as lay
+  >>> L = lay.plan(pa.local_tree(params), 4, pa.taken)
+  >>> [(s.kind, s.dim, s.shard_shape) for s in L.leaves]  # w avoids dim 1
+  [('shard', 0, (1,)), ('shard', 0, (2, 4))]
+  >>> [tuple(pa.state_spec(i, s)) for i, s in enumerate(L.leaves)]
+  [(('model', 'data'),), ('data', 'model')]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zero1_jax.core import layout as lay
+
+Axes = tuple[str, ...]
+
+
+class ParamAxes(NamedTuple):
+  """How each parameter leaf is sharded over the mesh's non-data axes."""
+
+  data_axis: str
+  leaves: tuple[tuple[Axes, ...], ...]   # per leaf, per dim: the axes on it
+  sizes: tuple[tuple[str, int], ...]     # (mesh axis, size)
+
+  def size(self, axes: Axes) -> int:
+    sizes = dict(self.sizes)
+    return math.prod(sizes[a] for a in axes)
+
+  @property
+  def taken(self) -> tuple[tuple[int, ...], ...]:
+    """Per leaf, the dims already sharded (for :func:`layout.plan`)."""
+    return tuple(tuple(d for d, a in enumerate(dims) if a)
+                 for dims in self.leaves)
+
+  def local_shape(self, i: int, shape) -> tuple[int, ...]:
+    return tuple(int(s) // self.size(a) for s, a in zip(shape, self.leaves[i]))
+
+  def local_tree(self, params: Any) -> Any:
+    """``ShapeDtypeStruct``s of each device's block of ``params``."""
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([
+        jax.ShapeDtypeStruct(self.local_shape(i, np.shape(x)), x.dtype)
+        for i, x in enumerate(leaves)])
+
+  def param_spec(self, i: int) -> P:
+    return P(*(_entry(a) for a in self.leaves[i]))
+
+  def param_specs(self, params: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([self.param_spec(i) for i in range(len(leaves))])
+
+  def state_spec(self, i: int, spec: lay.LeafSpec) -> P:
+    """Spec of leaf ``i``'s master / moment: its parameter's, with the data
+    axis added (minor) on the shard dim."""
+    dims = list(self.leaves[i])
+    if spec.kind == lay.SHARD:
+      dims[spec.dim] = dims[spec.dim] + (self.data_axis,)
+    return P(*(_entry(a) for a in dims))
+
+  def global_shape(self, i: int, local) -> tuple[int, ...]:
+    """The global shape of a state leaf whose per-device piece, gathered
+    over the data axis, is ``local`` (a block-shaped, padded shape)."""
+    return tuple(int(s) * self.size(a) for s, a in zip(local, self.leaves[i]))
+
+  def norm_axes(self, i: int, spec: lay.LeafSpec) -> Axes:
+    """Axes to sum leaf ``i``'s squared norm over: each block once."""
+    axes = tuple(a for dims in self.leaves[i] for a in dims)
+    return axes + ((self.data_axis,) if spec.kind == lay.SHARD else ())
+
+
+def _entry(axes: Axes):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _boxed(x) -> bool:
+  """A Flax partitioning box (``nn.Partitioned``): has names and unbox()."""
+  return hasattr(x, "names") and callable(getattr(x, "unbox", None))
+
+
+def unbox(params: Any) -> Any:
+  """``params`` with Flax partitioning boxes replaced by their values."""
+  return jax.tree.map(lambda x: x.unbox() if _boxed(x) else x, params,
+                      is_leaf=_boxed)
+
+
+def _spec_of(x) -> Any:
+  if _boxed(x):
+    return P(*x.names)
+  if isinstance(x, jax.core.Tracer):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+  else:
+    sharding = getattr(x, "sharding", None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def _dims(spec, ndim: int, where: str) -> tuple[Axes, ...]:
+  parts = tuple(spec) if spec is not None else ()
+  if len(parts) > ndim:
+    raise ValueError(f"zero1: param_specs{where} {spec} has more entries than "
+                     f"the parameter's {ndim} dims.")
+  out = []
+  for a in parts + (None,) * (ndim - len(parts)):
+    out.append(() if a is None else (a,) if isinstance(a, str) else tuple(a))
+  return tuple(out)
+
+
+def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,
+            param_specs: Any = None, *, blocks: bool = False
+            ) -> ParamAxes | None:
+  """The non-data sharding of ``params``, or None when there is none.
+
+  Read from ``param_specs`` (a tree of ``PartitionSpec`` like ``params``,
+  None for replicated leaves), else from each leaf: a Flax ``nn.Partitioned``
+  box's names, or the array's (or explicitly typed tracer's) ``NamedSharding``.
+  ``blocks``: ``params`` are already each device's blocks (inside shard_map).
+
+  Raises:
+    ValueError: a spec names the data axis (params are not sharded over it:
+      zero1 shards the optimizer state there) or an axis the mesh lacks, or
+      a sharded dim is not divisible by its axes' size.
+  """
+  leaves, treedef = jax.tree.flatten(params, is_leaf=_boxed)
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(params, is_leaf=_boxed)[0]]
+  if param_specs is not None:
+    try:
+      specs = treedef.flatten_up_to(param_specs)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"zero1: param_specs does not match the parameter tree "
+                       f"({e}).") from None
+  else:
+    specs = [_spec_of(x) for x in leaves]
+  out = []
+  for path, x, spec in zip(paths, leaves, specs):
+    shape = np.shape(x.value if _boxed(x) else x)
+    # Axes of size 1 split nothing: such a leaf is whole on every device.
+    dims = tuple(tuple(a for a in axes if sizes.get(a, 0) != 1)
+                 for axes in _dims(spec, len(shape), path))
+    for d, axes in enumerate(dims):
+      for a in axes:
+        if a == data_axis:
+          raise ValueError(
+              f"zero1: parameter {path} is sharded over the data axis "
+              f"'{data_axis}' ({spec}). zero1 shards the optimizer state over "
+              f"it and keeps the weights whole there: place the params "
+              f"replicated over '{data_axis}' (other axes are kept).")
+        if a not in sizes:
+          raise ValueError(f"zero1: parameter {path} is sharded over '{a}', "
+                           f"which the mesh {dict(sizes)} lacks.")
+      m = math.prod(sizes[a] for a in axes)
+      if shape[d] % m and not blocks:
+        raise ValueError(
+            f"zero1: parameter {path} has dim {d} of size {shape[d]}, not "
+            f"divisible by its mesh axes {axes} (size {m}).")
+    out.append(dims)
+  if not any(a for dims in out for a in dims):
+    return None
+  used = sorted({a for dims in out for axes in dims for a in axes})
+  return ParamAxes(data_axis, tuple(out),
+                   tuple((a, int(sizes[a])) for a in used))
+
+
+def bound_sizes(param_specs: Any, data_axis: str) -> dict[str, int]:
+  """Sizes of the axes named in ``param_specs`` and the data axis, read
+  inside shard_map (``jax.lax.axis_size``)."""
+  names = {data_axis}
+  for spec in jax.tree.leaves(param_specs,
+                              is_leaf=lambda s: isinstance(s, P)):
+    for a in spec if isinstance(spec, P) else ():
+      names.update(() if a is None else (a,) if isinstance(a, str) else a)
+  return {a: jax.lax.axis_size(a) for a in names}
+
+
+def global_layout(params: Any, n: int, pa: ParamAxes | None) -> lay.Layout:
+  """``params``' split over the data axis in global terms: each leaf's
+  ``padded_shape`` is its state leaf's global shape (the parameter padded at
+  the end of its shard dim), ``shard_shape`` one device's piece."""
+  if pa is None:
+    return lay.plan(params, n)
+  local = lay.plan(pa.local_tree(params), n, pa.taken)
+  leaves = [s._replace(shape=tuple(np.shape(x)),
+                       padded_shape=pa.global_shape(i, s.padded_shape))
+            for i, (s, x) in enumerate(zip(local.leaves,
+                                           jax.tree.leaves(params)))]
+  return lay.Layout(local.treedef, tuple(leaves), n)
