@@ -133,6 +133,27 @@ MUTANTS = [
         "      return jax.device_put(jnp.roll(x, x.shape[0] // "
         "len(self._devices), axis=0), self._sharding)",
         ("tests/test_step.py", "-k", "rows or committed")),
+    Mutant(
+        "norm_skips_model_axes",
+        "2-D mesh: the grad norm sums each block over the data axis only",
+        "zero1_jax/core/param_axes.py",
+        "    axes = tuple(a for dims in self.leaves[i] for a in dims)",
+        "    axes = ()",
+        ("tests/test_mesh2d.py",)),
+    Mutant(
+        "shard_dim_ignores_model_axes",
+        "2-D mesh: a block is split over data on a dim the model axis shards",
+        "zero1_jax/core/layout.py",
+        "  free = [d for d in range(len(shape)) if d not in taken]",
+        "  free = list(range(len(shape)))",
+        ("tests/test_mesh2d.py",)),
+    Mutant(
+        "data_axis_major_in_state_spec",
+        "2-D mesh: the state's data axis is placed before the model axis",
+        "zero1_jax/core/param_axes.py",
+        "      dims[spec.dim] = dims[spec.dim] + (self.data_axis,)",
+        "      dims[spec.dim] = (self.data_axis,) + dims[spec.dim]",
+        ("tests/test_mesh2d.py",)),
 ]
 
 
