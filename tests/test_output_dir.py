@@ -97,3 +97,14 @@ def test_memory_lines_say_gib(tmp_path, capsys):
   assert run(tmp_path, tmp_path / "o", "--max_steps", "1") == 0
   out = capsys.readouterr().out
   assert "GiB per GPU (1/4)" in out and " GB " not in out
+
+
+def test_missing_config_is_named_before_a_used_output_dir(tmp_path, capsys):
+  """A mistyped --deepspeed path in a reused output directory: the error is
+  the path, not the directory (fixing the directory first would not help)."""
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "metrics.jsonl").write_text("{}\n")
+  assert train.main(["--deepspeed", str(tmp_path / "missing.json"),
+                     "--output_dir", str(out)]) == 2
+  one_line_error(capsys, "missing.json", "no such file")

@@ -63,3 +63,15 @@ def test_readme_plain_jit_example_runs(capsys):
   assert float(loss_plain) < 0.05 and float(loss_red) < 0.05, lines
   assert "all-reduce" in coll_plain and "reduce-scatter" not in coll_plain
   assert "reduce-scatter" in coll_red and "all-reduce" not in coll_red
+
+
+def test_readme_2d_mesh_example_runs(capsys):
+  """The 2-D mesh block: params keep "model", the moments add "data"."""
+  text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+  example = next(b for b in blocks if '("data", "model")' in b)
+  scope: dict = {}
+  exec(compile(example, "README.md", "exec"), scope)
+  out = capsys.readouterr().out.strip().splitlines()
+  assert out == ["P(None, 'model') P('data', 'model')"], out
+  assert float(scope["metrics"]["loss"]) < 2.0

@@ -265,6 +265,10 @@ def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   try:
+    # The config first: a mistyped path is the error to fix, whatever the
+    # output directory holds.
+    if args.deepspeed and not os.path.isfile(args.deepspeed):
+      raise common.UsageError(f"--deepspeed {args.deepspeed}: no such file")
     rundir.check(args.output_dir, overwrite=args.overwrite_output_dir,
                  resume=args.resume)
   except common.UsageError as e:

@@ -4,8 +4,11 @@ scaling (:mod:`.precision`), the state (:mod:`.state`), the optax
 transform (:mod:`.transform`) and its plain-jit entry (:mod:`.jit_mode`),
 whether an inner optimizer may be sharded (:mod:`.elementwise`, with the
 taint analysis of its jaxpr in :mod:`.jaxpr_check`), the
-shardings of its state (:mod:`.specs`) and the shard_map step (:mod:`.step`).
+shardings of its state (:mod:`.specs`), params sharded over other mesh axes
+on 2-D meshes (:mod:`.param_axes`), the checks of what an update is handed
+(:mod:`.checks`) and the shard_map step (:mod:`.step`).
 Imports point down that list: step -> transform -> jit_mode -> specs ->
-{elementwise -> {jaxpr_check, layout}, state}, and transform -> collectives
--> layout.
+{elementwise -> {jaxpr_check, layout}, state}, transform -> {checks,
+collectives} -> layout, and step, transform, jit_mode, specs -> param_axes ->
+layout.
 """

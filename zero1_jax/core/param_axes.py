@@ -126,7 +126,9 @@ def _spec_of(x) -> Any:
 
 
 def _dims(spec, ndim: int, where: str) -> tuple[Axes, ...]:
-  parts = tuple(spec) if spec is not None else ()
+  # .partitions: iterating a spec typed reduced/unreduced is refused (jax 0.12).
+  parts = (() if spec is None else
+           tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec))
   if len(parts) > ndim:
     raise ValueError(f"zero1: param_specs{where} {spec} has more entries than "
                      f"the parameter's {ndim} dims.")
