@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from zero1_jax import inspect
 from zero1_jax.cli import train
 
@@ -41,8 +43,9 @@ def test_seed_bert_large_command_stops_in_seconds_on_24gb(tmp_path):
   assert not (tmp_path / "output").exists()
 
 
-def run_tiny(tmp_path, *extra):
+def run_tiny(tmp_path, *extra, stage=1):
   cfg = json.load(open(SEED_JSON))
+  cfg["zero_optimization"]["stage"] = stage
   cfg["train_batch_size"] = 8
   cfg["fp16"]["initial_scale_power"] = 8
   path = tmp_path / "ds.json"
@@ -62,9 +65,10 @@ def test_refusal_on_a_small_capacity(tmp_path, capsys, monkeypatch):
   assert run_tiny(tmp_path, "--ignore_memory_estimate") == 0
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 def test_estimate_printed_beside_before_after_and_bounds_compiled(tmp_path,
-                                                                  capsys):
-  assert run_tiny(tmp_path) == 0
+                                                                  capsys, stage):
+  assert run_tiny(tmp_path, stage=stage) == 0
   out = capsys.readouterr().out
   lines = out.splitlines()
   i = lines.index(next(l for l in lines if l.startswith("[Rank 0] After")))
@@ -73,6 +77,19 @@ def test_estimate_printed_beside_before_after_and_bounds_compiled(tmp_path,
                 r"\(estimate ([\d.e-]+) GiB\)", out)
   compiled, estimate = float(m.group(1)), float(m.group(2))
   assert compiled <= estimate <= 2 * compiled, (compiled, estimate)
+
+
+def test_stage2_counts_gradient_shards_and_fp32_params_no_master():
+  """ZeRO-2 keeps 1/N of the gradients (plus the largest leaf in flight);
+  fp32 params are their own master: Adam's state is 8 bytes, not 12."""
+  one = inspect.estimate(8000, 4, param_itemsize=2)
+  two = inspect.estimate(8000, 4, param_itemsize=2, stage=2, largest_leaf=100)
+  assert (one.grads, two.grads) == (8000 * 6, 8000 * 6 // 4 + 100 * 6)
+  assert one.state == two.state == 8000 * 12 // 4
+  from zero1_jax.cli import memory
+  from zero1_jax.models import bert
+  fp32 = bert.make_config("bert-tiny", vocab_size=260, max_len=16)
+  assert memory._estimate(8000, fp32, 4, 1, 16).state == 8000 * 8 // 4
 
 
 def test_estimate_is_pure_arithmetic():

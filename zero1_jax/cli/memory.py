@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from zero1_jax import inspect
 from zero1_jax.cli.common import UsageError, gib
+from zero1_jax.core.transform import Zero1Config
 
 ACT_ELEMS = 100
 
@@ -34,10 +35,15 @@ def activation_bytes(mcfg, micro_batch: int, seq_len: int) -> int:
           * mcfg.num_layers)
 
 
-def _estimate(num_params: int, mcfg, n: int, mb: int, seq_len: int):
-  return inspect.estimate(num_params, n,
-                          param_itemsize=jnp.dtype(mcfg.dtype).itemsize,
-                          activation_bytes=activation_bytes(mcfg, mb, seq_len))
+def _estimate(num_params: int, mcfg, n: int, mb: int, seq_len: int,
+              stage: int = 1, largest_leaf: int = 0):
+  item = jnp.dtype(mcfg.dtype).itemsize
+  return inspect.estimate(
+      num_params, n, param_itemsize=item,
+      # Adam's two fp32 moments, plus an fp32 master unless the params are fp32.
+      state_bytes_per_param=8 + (4 if item != 4 else 0),
+      activation_bytes=activation_bytes(mcfg, mb, seq_len),
+      stage=stage, largest_leaf=largest_leaf)
 
 
 def check(mcfg, init_fn, cfg, mesh, seq_len: int, *, model: str,
@@ -50,23 +56,32 @@ def check(mcfg, init_fn, cfg, mesh, seq_len: int, *, model: str,
   """
   shapes = jax.eval_shape(init_fn, jax.random.key(0))
   num_params = sum(x.size for x in jax.tree.leaves(shapes))
+  # ZeRO-2: whole gradients alive at once in the backward are the leaf being
+  # reduced in place plus the group of small leaves packed into one bucket.
+  sizes = [x.size for x in jax.tree.leaves(shapes)]
+  small = Zero1Config("data", stage=2).inplace_threshold() // jnp.dtype(
+      mcfg.dtype).itemsize
+  largest = max(sizes, default=0) + sum(s for s in sizes if s < small)
   devices = list(mesh.devices.flat)
   n, mb = len(devices), cfg.train_micro_batch_size_per_gpu
-  est = _estimate(num_params, mcfg, n, mb, seq_len)
+  zero = dict(stage=cfg.zero.stage, largest_leaf=largest)
+  est = _estimate(num_params, mcfg, n, mb, seq_len, **zero)
   cap, source = inspect.capacity(devices)
   if est.per_device <= cap or ignore:
     return est, cap, source
   cpu = devices[0].platform == "cpu"
   fixes = []
   smaller = next((b for b in range(mb - 1, 0, -1)
-                  if _estimate(num_params, mcfg, n, b, seq_len).per_device <= cap),
+                  if _estimate(num_params, mcfg, n, b, seq_len,
+                               **zero).per_device <= cap),
                  None)
   if smaller:
     fixes.append(f"--per_device_train_batch_size {smaller}")
   if cpu and n > 1:   # fewer simulated devices share the same RAM
     host = cap * n
     fewer = next((k for k in range(n - 1, 0, -1)
-                  if _estimate(num_params, mcfg, k, mb, seq_len).per_device * k
+                  if _estimate(num_params, mcfg, k, mb, seq_len,
+                               **zero).per_device * k
                   <= host), None)
     if fewer:
       fixes.append(f"--num_devices {fewer}")

@@ -114,23 +114,34 @@ class MemoryEstimate(NamedTuple):
 
 
 def estimate(num_params: int, num_devices: int, *, param_itemsize: int = 4,
-             state_bytes_per_param: int = 12, activation_bytes: int = 0
-             ) -> MemoryEstimate:
-  """Analytic per-device bytes of a ZeRO-1 step, before anything is allocated.
+             state_bytes_per_param: int = 12, activation_bytes: int = 0,
+             stage: int = 1, largest_leaf: int = 0) -> MemoryEstimate:
+  """Analytic per-device bytes of a ZeRO-1 (or ZeRO-2) step, before anything
+  is allocated.
 
-  Parameters are whole on every device; gradients too, counted as the
-  compute-dtype gradient plus an fp32 copy for the reduction and the update;
-  the master copy and optimizer moments (``state_bytes_per_param``: 12 for
-  Adam) are split N ways; ``activation_bytes`` is the caller's model-specific
-  figure for one micro-batch.
+  Parameters are whole on every device. Gradients count as the compute-dtype
+  gradient plus an fp32 copy for the reduction and the update: whole with
+  ``stage=1``; with ``stage=2`` only this device's 1/N shards, plus ``largest_leaf``
+  elements of whole gradients alive until their reduce-scatter runs (the
+  caller's figure: e.g. the largest leaf and one bucket of small ones). The master copy and optimizer moments
+  (``state_bytes_per_param``: 12 for Adam with bf16/fp16 params, 8 with fp32
+  params, which are their own master) are split N ways;
+  ``activation_bytes`` is the caller's model-specific figure for one
+  micro-batch.
 
   >>> e = estimate(1_000_000, 4, param_itemsize=2, activation_bytes=10)
   >>> e.params, e.grads, e.state, e.per_device
   (2000000, 6000000, 3000000, 11000010)
+  >>> estimate(1_000_000, 4, param_itemsize=2, stage=2, largest_leaf=1000).grads
+  1506000
   """
+  per_param = param_itemsize + 4
+  if stage == 2:
+    grads = -(-num_params * per_param // num_devices) + largest_leaf * per_param
+  else:
+    grads = num_params * per_param
   return MemoryEstimate(
-      params=num_params * param_itemsize,
-      grads=num_params * (param_itemsize + 4),
+      params=num_params * param_itemsize, grads=grads,
       state=-(-num_params * state_bytes_per_param // num_devices),
       activations=int(activation_bytes))
 
