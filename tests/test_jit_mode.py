@@ -262,3 +262,60 @@ def test_mixed_reduced_and_plain_params_are_refused():
     f = lambda p: jnp.sum(x @ p["a"]) + jnp.sum(x @ p["b"])
     with pytest.raises(ValueError, match="z1.reduced_params"):
       jax.jit(lambda p, s: tx.update(jax.grad(f)(p), s, p))(params, state)
+
+
+def test_fp16_loss_scale_and_overflow_skip_under_jit():
+  """fp16 params in plain jit: multiply the loss by z1.loss_scale(state); the
+  update divides it out, skips an overflowing step everywhere and halves
+  the scale. Dyadic gradients (helpers.exact_loss) are exact in fp16 at any
+  scale and summation order, so master and params must be bitwise the fp32
+  master reference that never sees the overflowing batch; SGD shows a scale
+  left in the gradients as a factor >= 128."""
+  from helpers import exact_batches, exact_loss, master_run
+  params = float_part(odd_params(jnp.float16))
+  bs = exact_batches(5)
+  tx = z1.zero1(optax.sgd(0.1, momentum=0.9), axis_name="data",
+                loss_scale=z1.DynamicLossScale(initial_scale_power=8,
+                                               loss_scale_window=2,
+                                               hysteresis=1))
+  with jax.set_mesh(mesh(4)):
+    p = jax.device_put(params, NamedSharding(mesh(4), P()))
+    s = tx.init(p)
+
+    @jax.jit
+    def step(p, s, b, boom):
+      def scaled(p):
+        out = exact_loss(p, b) * z1.loss_scale(s).astype(jnp.float32)
+        return out * jnp.where(boom, jnp.inf, 1.0)
+      u, s = tx.update(jax.grad(scaled)(p), s, p)
+      return optax.apply_updates(p, u), s
+
+    scales = []
+    for i, b in enumerate(bs):
+      scales.append(float(z1.loss_scale(s)))
+      p, s = step(p, s, jax.device_put(b, NamedSharding(mesh(4), P("data"))),
+                  i == 2)
+  assert scales == [256.0, 256.0, 256.0, 128.0, 128.0]
+  clean = [b for i, b in enumerate(bs) if i != 2]
+  run = lambda **kw: master_run(optax.sgd(0.1, momentum=0.9), params, clean,
+                                loss=exact_loss, **kw)
+  assert_equal(stored_master(p, s), run(return_master=True), "master ")
+  assert_equal(p, run(), "params ")
+
+
+def test_params_committed_to_one_device_name_the_fix():
+  """Params on one device (not the mesh): init works but warns, and an eager
+  update says how to place them, instead of jit's device mismatch."""
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  p = jax.device_put({"w": jnp.ones((5, 3))}, jax.devices()[0])
+  with jax.set_mesh(mesh(4)):
+    with pytest.warns(UserWarning, match=r"params\['w'\] \(devices \[0\]\)"):
+      s = tx.init(p)
+    with pytest.raises(ValueError, match=r"jax.device_put\(params, "
+                       r"NamedSharding\(mesh, P\(\)\)\)"):
+      tx.update({"w": jnp.ones((5, 3))}, s, p)
+    placed = jax.device_put(p, NamedSharding(mesh(4), P()))
+    u, _ = tx.update(jax.device_put({"w": jnp.ones((5, 3))},
+                                    NamedSharding(mesh(4), P())), s, placed)
+  # Adam's first step is -lr; the update is new - old in fp32 (1 - 0.99).
+  np.testing.assert_allclose(np.asarray(u["w"]), -1e-2, atol=1e-7)

@@ -136,6 +136,35 @@ def local_shards(grads: list, layout: lay.Layout, axis: str) -> dict[int, Any]:
   return out
 
 
+def _off_mesh(mesh: Any, trees: dict[str, Any]) -> str | None:
+  """A leaf committed to other devices than ``mesh``'s (e.g. one device),
+  named with its devices; None if every committed array is on the mesh."""
+  if mesh is None:   # the jax.set_mesh context: its concrete devices
+    try:
+      mesh = jax.sharding.get_mesh()
+    except ValueError:   # under jax.jit: the arguments are tracers
+      return None
+  try:
+    devices = set(mesh.devices.flat)
+  except (AttributeError, ValueError):   # an abstract mesh: traced arguments
+    return None
+  for name, tree in trees.items():
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) \
+          and x.committed and set(x.sharding.device_set) != devices:
+        ids = sorted(d.id for d in x.sharding.device_set)
+        return f"{name}{jax.tree_util.keystr(path)} (devices {ids})"
+  return None
+
+
+def _place_first(where: str, axis: str) -> str:
+  return (f"zero1: {where} is committed to other devices than the "
+          f"mesh's. "
+          f"Place the params on it first, e.g. jax.device_put(params, "
+          f"NamedSharding(mesh, P())) (or z1.reduced_params(params, mesh, "
+          f"axis_name='{axis}')); a jax.jit step on them would be refused.")
+
+
 def _param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
   """The params' sharding over the mesh's other axes (2-D meshes), read from
   ``param_specs`` or the arrays / explicitly typed tracers. Under jit on Auto
@@ -183,6 +212,9 @@ def init(tx: Any, init_in: Callable, params: Any) -> Any:
   axis = tx.config.axis_name
   mesh, where = find_mesh(axis, params)
   n = where.shape[axis]
+  off = _off_mesh(mesh, {"params": params})
+  if off:
+    warnings.warn(_place_first(off, axis), stacklevel=3)
   pa = _param_axes(tx, params, where)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
                         params)
@@ -208,6 +240,9 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
   axis = tx.config.axis_name
   mesh, where = find_mesh(axis, params, grads)
   n = where.shape[axis]
+  off = _off_mesh(mesh, {"params": params, "grads": grads})
+  if off:
+    raise ValueError(_place_first(off, axis))
   pa = _param_axes(tx, params, where)
   layout = lay.plan(params if pa is None else pa.local_tree(params), n,
                     None if pa is None else pa.taken)
