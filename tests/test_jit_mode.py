@@ -319,3 +319,18 @@ def test_params_committed_to_one_device_name_the_fix():
                                     NamedSharding(mesh(4), P())), s, placed)
   # Adam's first step is -lr; the update is new - old in fp32 (1 - 0.99).
   np.testing.assert_allclose(np.asarray(u["w"]), -1e-2, atol=1e-7)
+
+
+def test_init_traced_under_jit_equals_eager():
+  """jax.jit(TrainState.create)-style code traces tx.init: the elementwise
+  probe still runs on concrete numbers, and the state equals eager init."""
+  tx = z1.zero1(optax.adamw(1e-2), axis_name="data")
+  with jax.set_mesh(mesh(4)):
+    params = jax.device_put(float_part(odd_params()), NamedSharding(mesh(4), P()))
+    traced = jax.jit(tx.init)(params)
+    eager = tx.init(params)
+    assert_equal(traced, eager)
+    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(eager)):
+      assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    with pytest.raises(ValueError, match="not elementwise"):
+      jax.jit(z1.zero1(optax.lamb(1e-2), axis_name="data").init)(params)

@@ -255,14 +255,15 @@ def test_plain_jit_on_a_2d_mesh(kind):
 
 
 def test_jit_on_auto_axes_without_specs_warns():
+  """Init traced too (nothing concrete to read the sharding from) and no
+  param_specs: the update says it treats the params as replicated."""
   msh = mesh2(4, 2)
   t = z1.zero1(optax.sgd(0.1), axis_name="data")
   with jax.set_mesh(msh):
     p = place(msh, {"w": jnp.ones((4, 2))}, {"w": P(None, "model")})
-    s = t.init(p)
     g = {"w": jnp.ones((4, 2))}
     with pytest.warns(UserWarning, match="param_specs"):
-      jax.jit(t.update)(g, s, p)
+      jax.jit(lambda p, g: t.update(g, t.init(p), p))(p, g)
 
 
 def test_bad_sharding_is_refused_with_the_fix():
@@ -324,3 +325,46 @@ def test_three_axes():
     assert p[k].sharding.is_equivalent_to(NamedSharding(msh, specs[k]),
                                           p[k].ndim), k
   np.testing.assert_allclose(norms, norms1, rtol=RTOL)
+
+
+def test_nnx_optimizer_on_auto_axes_needs_no_specs():
+  """nnx.Optimizer inits eagerly on the placed arrays: tx.init records their
+  sharding, and the jitted update (whose Auto-axis tracers carry none) uses
+  it. Same weights as plain optax; the params keep "model"."""
+  from flax import nnx
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      part = lambda names: nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), names)
+      self.l1 = nnx.Linear(5, 8, kernel_init=part((None, "model")), rngs=rngs)
+      self.l2 = nnx.Linear(8, 3, kernel_init=part(("model", None)), rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jnp.tanh(self.l1(x)))
+
+  msh = mesh2(4, 2)
+  data = batches(3)
+  mse = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  with jax.set_mesh(msh):
+    model, ref_model = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, z1.zero1(optax.adam(1e-2), axis_name="data"),
+                        wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, b):
+      opt.update(model, nnx.grad(mse)(model, b))
+
+    import warnings
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", UserWarning)   # no "cannot be read"
+      for b in data:
+        step(model, opt, place(msh, b, {"x": P("data"), "y": P("data")}))
+    ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+    for b in data:   # unsharded optax on the same model (the partitioner's TP)
+      ref_opt.update(ref_model, nnx.grad(mse)(ref_model, b))
+  got = jax.tree.leaves(nnx.state(model, nnx.Param))
+  want = jax.tree.leaves(nnx.state(ref_model, nnx.Param))
+  kernel = next(x for x in got if x.shape == (5, 8))
+  assert kernel.sharding.spec == P(None, "model")
+  jax.tree.map(close, got, want)

@@ -242,8 +242,10 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
     tree = lambda xs: small.inner_tree([jnp.asarray(x) for x in xs])
     both = jax.jit(lambda p, g, sp, sg: (
         run(p, g), jax.vmap(run, in_axes=(axes, axes), axis_size=n)(sp, sg)))
-    whole, parts = both(tree(full_p), tree(full_g), tree(split(full_p)),
-                        tree(split(full_g)))
+    # Concrete numbers even when tx.init is traced (jax.jit(TrainState.create)).
+    with jax.ensure_compile_time_eval():
+      whole, parts = both(tree(full_p), tree(full_g), tree(split(full_p)),
+                          tree(split(full_g)))
   except Exception as e:  # noqa: BLE001 - an update that fails is refused
     return f"its update fails on the probe: {_brief(e)}"
   u_dims = [s.dim if s.kind == lay.SHARD else None for s in small.leaves

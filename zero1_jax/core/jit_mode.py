@@ -168,20 +168,32 @@ def _place_first(where: str, axis: str) -> str:
 def _param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
   """The params' sharding over the mesh's other axes (2-D meshes), read from
   ``param_specs`` or the arrays / explicitly typed tracers. Under jit on Auto
-  axes it cannot be read: a warning says so, and they count as replicated."""
+  axes it cannot be read: then the sharding ``tx.init`` read from concrete
+  arrays of the same shapes is used (flax's ``TrainState.create`` and
+  ``nnx.Optimizer`` init eagerly); failing that, a warning says so and the
+  params count as replicated over those axes."""
   axis = tx.config.axis_name
   pa = pax.resolve(params, dict(mesh.shape), axis, tx.config.param_specs)
+  leaves = jax.tree.leaves(params)
+  # Shapes and dtypes, not the treedef: nnx hands init and update the same
+  # arrays in differently typed containers.
+  key = tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+    tx.seen_param_axes[key] = pa   # what a later traced update falls back on
+    return pa
   auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
           if a != axis and mesh.shape[a] > 1
           and t != jax.sharding.AxisType.Explicit]
-  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
-  if pa is None and auto and traced and tx.config.param_specs is None:
+  if pa is None and auto and tx.config.param_specs is None:
+    if key in tx.seen_param_axes:
+      return tx.seen_param_axes[key]
     warnings.warn(
         f"zero1: under jax.jit the params' sharding over the Auto mesh axes "
         f"{auto} cannot be read, so they are treated as replicated over them. "
         f"If they are sharded there (tensor parallel), pass "
-        f"zero1(..., param_specs=<tree of PartitionSpec>) or make those axes "
-        f"Explicit.", stacklevel=4)
+        f"zero1(..., param_specs=<tree of PartitionSpec>), make those axes "
+        f"Explicit, or call tx.init on the placed arrays outside jit.",
+        stacklevel=4)
   return pa
 
 

@@ -360,6 +360,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
 
   tx = Zero1Transformation(init_fn, update_fn)
   tx.config = cfg
+  # jit mode: param tree -> the non-data sharding tx.init read from concrete
+  # arrays, for updates traced on Auto axes (core/jit_mode.py).
+  tx.seen_param_axes = {}
   tx.inner = inner
   tx.apply = apply_fn
   tx.init_from = init_from
