@@ -10,6 +10,7 @@ two layouts, and a dead process stops the job within a bounded time instead of h
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,15 +83,22 @@ def test_two_processes_train_like_one_process_with_four_devices(runs):
   np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
 
 
+def take_checkpoint(tmp, src, dest, step):
+  """A new output dir holding only ``src``'s checkpoint of ``step``."""
+  shutil.copytree(tmp / src / "checkpoints" / str(step),
+                  tmp / dest / "checkpoints" / str(step))
+
+
 def test_checkpoints_move_between_process_layouts(runs):
   tmp, _, _ = runs
-  # 2 processes save at step 2; 1 process x 4 devices resumes to step 4.
-  train(tmp, "a", procs=2, steps=2)
+  # The 2-process run's step-2 checkpoint; 1 process x 4 devices resumes it
+  # to step 4.
+  take_checkpoint(tmp, "two", "a", 2)
   train(tmp, "a", procs=1, steps=4, extra=["--resume", "latest"])
   assert_close(final_params(tmp, "a", 4), final_params(tmp, "one", 4), 1e-6,
                "2x2 -> 1x4 ")
-  # And back: 1 process saves at step 2, 2 processes resume to step 4.
-  train(tmp, "b", procs=1, steps=2)
+  # And back: the 1-process run's step-2 checkpoint, 2 processes resume it.
+  take_checkpoint(tmp, "one", "b", 2)
   train(tmp, "b", procs=2, steps=4, extra=["--resume", "latest"])
   assert_close(final_params(tmp, "b", 4), final_params(tmp, "one", 4), 1e-6,
                "1x4 -> 2x2 ")

@@ -5,6 +5,7 @@ ends with exactly the parameters of a run that never stopped."""
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,11 +66,19 @@ def writing(ckpt):
              for p in glob.glob(str(ckpt / "*.orbax-checkpoint-tmp*")))
 
 
-@pytest.mark.parametrize("when", ["after_save", "during_save"])
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, when):
-  ref = subprocess.run(cmd(tmp_path, "ref"), env=ENV, capture_output=True,
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+  """One uninterrupted run: its output dir and its final params."""
+  tmp = tmp_path_factory.mktemp("ref")
+  run = subprocess.run(cmd(tmp, "ref"), env=ENV, capture_output=True,
                        text=True, timeout=240)
-  assert ref.returncode == 0, ref.stderr[-2000:]
+  assert run.returncode == 0, run.stderr[-2000:]
+  return tmp / "ref", finished_params(tmp, "ref")
+
+
+@pytest.mark.parametrize("when", ["after_save", "during_save"])
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, when, ref):
+  ref_dir, want = ref
   if when == "after_save":
     kill_when(tmp_path, "crash", lambda c: committed(c, 4))
   else:
@@ -79,21 +88,20 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, when):
                            capture_output=True, text=True, timeout=240)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "resumed from" in resumed.stdout
-  want, got = finished_params(tmp_path, "ref"), finished_params(tmp_path, "crash")
+  got = finished_params(tmp_path, "crash")
+  assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
   rows = [json.loads(l) for l in open(tmp_path / "crash" / "metrics.jsonl")]
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-  ref_rows = [json.loads(l) for l in open(tmp_path / "ref" / "metrics.jsonl")]
+  ref_rows = [json.loads(l) for l in open(ref_dir / "metrics.jsonl")]
   assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]
   assert [r["loss_scale"] for r in rows] == [r["loss_scale"] for r in ref_rows]
 
 
-def test_corrupt_latest_checkpoint_falls_back_only_when_asked(tmp_path):
-  run = subprocess.run(cmd(tmp_path, "run"), env=ENV, capture_output=True,
-                       text=True, timeout=240)
-  assert run.returncode == 0, run.stderr[-2000:]
-  want = finished_params(tmp_path, "run")
+def test_corrupt_latest_checkpoint_falls_back_only_when_asked(tmp_path, ref):
+  ref_dir, want = ref
+  shutil.copytree(ref_dir, tmp_path / "run")      # a finished run to corrupt
   files = [p for p in (tmp_path / "run" / "checkpoints" / str(STEPS)).rglob("*")
            if p.is_file() and "state" in p.parts]
   biggest = max(files, key=lambda p: p.stat().st_size)
@@ -112,5 +120,7 @@ def test_corrupt_latest_checkpoint_falls_back_only_when_asked(tmp_path):
   assert f"at step {STEPS - 2}" in valid.stdout
   dest = tmp_path / "again"
   checkpoint.export_params(tmp_path / "run" / "checkpoints", dest, STEPS)
-  for a, b in zip(jax.tree.leaves(checkpoint.load_params(dest)), jax.tree.leaves(want)):
+  got = checkpoint.load_params(dest)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
