@@ -99,12 +99,13 @@ def memory_section(plan: Plan, log=print) -> tuple[list[dict], list[dict]]:
       # At the largest N also ZeRO-1 with large leaves in place (the GPU
       # default; on CPU the default packs every leaf).
       extra = (("zero1_in_place",) if n == max(plan.ns) else ())
+      # Kept: the speed (largest N) and overhead sections reuse these compiles.
+      keep = dtype == "fp32" and (n == max(plan.ns) or n in plan.overhead_ns)
       for method in METHODS + extra:
         if method == "zero1_in_place":
-          built = build("zero1_rs", m, n, b, inplace_bytes=1 << 16)
-          built.method = method
+          built = build("zero1_rs", m, n, b, inplace_bytes=1 << 16, keep=keep)
         else:
-          built = build(method, m, n, b, keep=(n == max(plan.ns) and dtype == "fp32"))
+          built = build(method, m, n, b, keep=keep)
         mem = z1.inspect.memory(built.compiled)
         theory = model_state_theory("zero1_rs" if method == "zero1_in_place" else method,
                                     m.psi, n, dtype)
