@@ -9,6 +9,7 @@ import json
 import os
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 import pytest
@@ -194,3 +195,36 @@ def test_theory_formulas():
       "ddp", psi, 4)["total"] == 8 * psi
   assert bench.traffic_theory("zero1_ar", psi, 2)["total"] == 6 * psi
   assert bench.state_master_theory("gspmd", psi, 4, "fp32") == 4 * psi + 2 * psi
+
+
+def test_collective_costs_programs_compute_what_they_are_named():
+  """experiments.collective_costs times the programs it names: each one's
+  result is checked at N=2 (a psum doubles, a scatter keeps this device's
+  part of the sum, a gather rebuilds the first part of every shard), then a
+  quick table has a row per program."""
+  from experiments import collective_costs as cc
+  n, k, e = 2, 4, 16
+  m = mesh(n)
+  host = np.arange(n * e, dtype=np.float32)
+  x = jax.device_put(host, jax.sharding.NamedSharding(m, P("data")))
+  mine = host.reshape(n, e)                  # row r: device r's vector
+  total = mine.sum(0)
+  got = {name.split(" (")[0]: np.asarray(jax.jit(jax.shard_map(
+      f, mesh=m, in_specs=P("data"), out_specs=P("data"), check_vma=False))(x)).reshape(n, -1)
+         for name, f in cc.programs(n, k, axis="data").items()}
+  both = lambda v: np.stack([v] * n)         # the same on every device
+  first = lambda rows: np.concatenate([r[:r.shape[0] // n] for r in rows])
+  want = {
+      "copy": 2 * mine, "psum": both(total), "psum_scatter": total.reshape(n, -1),
+      "all_gather": both(first(mine)), f"split into {k}": mine,
+      f"psum of a {k}-leaf tree": both(total),
+      f"{k} psum_scatters": np.stack(
+          [np.concatenate([p.reshape(n, -1)[r] for p in total.reshape(k, -1)])
+           for r in range(n)]),
+      f"{k} all_gathers": both(np.concatenate(
+          [first(mine[:, j * e // k:(j + 1) * e // k]) for j in range(k)]))}
+  assert got.keys() == want.keys()
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+  lines = cc.table({2: cc.measure(2, 64, k=2, rounds=2)}, 64)
+  assert sum(l.startswith("| ") for l in lines) == 1 + len(cc.programs(2, 2)) + 2
