@@ -4,6 +4,8 @@ orbax needs absolute paths, and writes asynchronous saves from background
 threads that need ``concurrent.futures`` executors; at interpreter exit those
 executors stop taking work before ``atexit`` handlers run, so a save still in
 flight then is lost. :func:`finish_at_exit` runs its callbacks before that.
+On CPython 3.12.0 to 3.12.2 no thread can start once shutdown has begun, so
+there :func:`async_save_allowed` turns asynchronous saves off.
 
 Example:
   >>> import os
@@ -19,6 +21,7 @@ import atexit
 import os
 import sys
 import threading
+import warnings
 import weakref
 from typing import Callable
 
@@ -26,6 +29,18 @@ from etils import epath
 
 _CALLBACKS: list[Callable[[], None]] = []
 _REGISTERED = False
+# CPython 3.12.0 to 3.12.2 refuse to start a thread as soon as interpreter
+# shutdown begins, before any exit hook runs (python/cpython#113964, fixed in
+# 3.12.3). orbax's background save starts threads as it goes, so there a save
+# still in flight at exit fails ("can't create new thread at interpreter
+# shutdown") and the step is lost.
+def works_at_exit() -> bool:
+  """Whether this Python can finish an asynchronous save at exit."""
+  return not (3, 12, 0) <= tuple(sys.version_info[:3]) < (3, 12, 3)
+
+
+SAVE_AT_EXIT_WORKS = works_at_exit()
+_WARNED = False
 
 
 def absolute(directory: str | os.PathLike) -> epath.Path:
@@ -75,3 +90,22 @@ def finish_at_exit(obj, method: str) -> None:
       reg(_run_all) if reg else atexit.register(_run_all)
     except RuntimeError:   # already shutting down
       atexit.register(_run_all)
+
+
+def async_save_allowed(requested: bool) -> bool:
+  """``requested``, unless this Python cannot finish a save at exit
+  (:data:`SAVE_AT_EXIT_WORKS`): then False, so each save is written before
+  it returns, and a warning says so once per process."""
+  global _WARNED
+  if not requested or SAVE_AT_EXIT_WORKS:
+    return requested
+  if not _WARNED:
+    _WARNED = True
+    v = ".".join(map(str, sys.version_info[:3]))
+    warnings.warn(
+        f"zero1 checkpoint: Python {v} cannot start threads at interpreter "
+        f"exit (CPython issue 113964, fixed in 3.12.3), so a save still "
+        f"writing then would be lost; checkpoints are saved synchronously "
+        f"on this Python. Use Python 3.12.3 or later for asynchronous saves.",
+        RuntimeWarning, stacklevel=3)
+  return False

@@ -100,7 +100,8 @@ class Checkpointer:
     async_save: return from :meth:`save` once the arrays are copied to host;
       the files are written in the background. Pending saves are finished
       by :meth:`wait`, :meth:`close`, the next :meth:`save` and, at the
-      latest, at interpreter exit.
+      latest, at interpreter exit (on CPython 3.12.0 to 3.12.2, which cannot
+      do that, saves are synchronous, with a warning).
     create: create ``directory`` if it is missing.
 
   Raises:
@@ -110,6 +111,7 @@ class Checkpointer:
   def __init__(self, directory, *, max_to_keep: int | None = None,
                async_save: bool = True, create: bool = True):
     self.directory = lifecycle.absolute(directory)
+    async_save = lifecycle.async_save_allowed(async_save)
     if self.directory.exists() and not self.directory.is_dir():
       raise CheckpointError(f"zero1 checkpoint: {self.directory} is a file, "
                             f"not a directory")
