@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -243,7 +244,11 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
     both = jax.jit(lambda p, g, sp, sg: (
         run(p, g), jax.vmap(run, in_axes=(axes, axes), axis_size=n)(sp, sg)))
     # Concrete numbers even when tx.init is traced (jax.jit(TrainState.create)).
-    with jax.ensure_compile_time_eval():
+    # Only then: evaluating at compile time compiles each of the optimizer's
+    # own jitted helpers on its own (19 programs for adam, 2.98 s against
+    # 1.31 s for the first z1.init of a process).
+    traced = isinstance(jnp.zeros(()), jax.core.Tracer)
+    with jax.ensure_compile_time_eval() if traced else contextlib.nullcontext():
       whole, parts = both(tree(full_p), tree(full_g), tree(split(full_p)),
                           tree(split(full_g)))
   except Exception as e:  # noqa: BLE001 - an update that fails is refused
