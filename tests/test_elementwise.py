@@ -115,6 +115,8 @@ EXTRA = {
         optax.adamw)(learning_rate=optax.warmup_cosine_decay_schedule(
             0.0, LR, 2, STEPS), weight_decay=0.01),
     "adamw(mask)": lambda: optax.adamw(LR, weight_decay=0.1, mask=ndim_mask),
+    # A class, not a function: the enumeration above cannot find it.
+    "MultiSteps(adam, 2)": lambda: optax.MultiSteps(ADAM(), every_k_schedule=2),
 }
 
 
@@ -392,3 +394,11 @@ def test_size_dependent_scale_is_caught_by_the_probe():
   layout = z1.plan(float_part(odd_params()), N)
   assert ew.jaxpr_reason(by_size, layout) is None
   assert "its update on N=4 shards differs" in ew.probe_reason(by_size, layout)
+
+
+def test_multisteps_inside_zero1_matches(outcomes):
+  """The README's accumulation advice (z1.zero1(optax.MultiSteps(opt, k)))
+  trains optax's weights; a MultiSteps around z1.zero1 is refused with that
+  fix by z1.init (tests/test_step.py)."""
+  kind, detail = outcomes["MultiSteps(adam, 2)"]
+  assert kind == "matched" and detail <= 1.0, (kind, detail)

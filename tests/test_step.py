@@ -1,5 +1,7 @@
 """train_step: accumulation, clipping, memory, communication, and bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,6 +203,24 @@ def test_mesh_without_the_axis_names_the_fix():
     z1.init(tx, odd_params(), bad)
   with pytest.raises(ValueError, match="'data'"):
     z1.train_step(loss_fn, tx, bad)
+
+
+@pytest.mark.parametrize("tx,fix", [
+    (optax.adam(1e-3), r"plain optax GradientTransformation\. Wrap the optimizer: z1\.zero1\(opt"),
+    (optax.chain(z1.zero1(optax.adam(1e-3), axis_name="data"), optax.scale(0.5)),
+     r"put them inside: z1\.zero1\(optax\.chain\(opt, \.\.\.\)"),
+    (optax.MultiSteps(z1.zero1(optax.adam(1e-3), axis_name="data"), 2),
+     r"optax\.MultiSteps\. Accumulate inside instead: z1\.zero1\(optax\.MultiSteps\(opt, k\).*grad_accum_steps=k"),
+], ids=["plain", "chain_around", "multisteps_around"])
+def test_a_transform_that_is_not_zero1_names_the_fix(tx, fix):
+  """Forgetting z1.zero1, or wrapping it, is a TypeError with the fix (it was
+  an AttributeError on `.config`)."""
+  for call, where in ((lambda: z1.init(tx, odd_params(), mesh(2)), "z1.init"),
+                      (lambda: z1.train_step(loss_fn, tx, mesh(2)), "z1.train_step"),
+                      (lambda: z1.state_shardings(tx, odd_params(), mesh(2)),
+                       "z1.state_shardings")):
+    with pytest.raises(TypeError, match=re.escape(where) + ": tx must be .*" + fix):
+      call()
 
 
 def test_batch_not_divisible_by_devices_times_accumulation():

@@ -76,7 +76,7 @@ class TrainState(train_state.TrainState):
 
 def state_specs(state: TrainState, mesh: jax.sharding.Mesh) -> TrainState:
   """PartitionSpecs of ``state`` for ``shard_map`` in/out specs."""
-  n = mesh.shape[state.tx.config.axis_name]
+  n = zstep.data_size(state.tx, mesh)
   opt = zspecs.state_specs(state.tx, state.params, n)
   return state.replace(step=P(), params=jax.tree.map(lambda _: P(), state.params),
                        opt_state=opt)

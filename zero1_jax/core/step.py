@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero1_jax.core import elementwise as ew
@@ -38,7 +39,30 @@ def data_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh) -> int:
   return _axis_size(tx, mesh)
 
 
-def _axis_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh) -> int:
+def require_zero1(tx: Any, where: str) -> None:
+  """TypeError naming the fix unless ``tx`` came from :func:`zero1_jax.zero1`
+  or :func:`zero1_jax.zero2` (a plain optax optimizer, or one wrapped around
+  the zero1 transform, has no sharded state to build or step)."""
+  if isinstance(tx, Zero1Transformation):
+    return
+  if isinstance(tx, optax.MultiSteps):
+    fix = ("Accumulate inside instead: z1.zero1(optax.MultiSteps(opt, k), "
+           "axis_name='data'), or z1.train_step(..., grad_accum_steps=k).")
+    got = "optax.MultiSteps"
+  else:
+    fix = ("Wrap the optimizer: z1.zero1(opt, axis_name='data'); to chain "
+           "more transformations, put them inside: "
+           "z1.zero1(optax.chain(opt, ...), axis_name='data').")
+    got = ("a plain optax GradientTransformation"
+           if isinstance(tx, optax.GradientTransformation)
+           else type(tx).__qualname__)
+  raise TypeError(f"{where}: tx must be the transformation z1.zero1(...) or "
+                  f"z1.zero2(...) returns, got {got}. {fix}")
+
+
+def _axis_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh,
+               where: str = "zero1") -> int:
+  require_zero1(tx, where)
   axis = tx.config.axis_name
   if axis not in mesh.axis_names:
     raise ValueError(
@@ -87,8 +111,10 @@ def param_shardings(tx: Zero1Transformation, params: Any,
 def state_shardings(tx: Zero1Transformation, params: Any,
                     mesh: jax.sharding.Mesh) -> Zero1State:
   """``NamedSharding``s of ``tx``'s state for ``params`` on ``mesh``."""
+  require_zero1(tx, "z1.state_shardings")
   pa = param_axes(tx, params, mesh)
-  specs = zspecs.state_specs(tx, pax.unbox(params), _axis_size(tx, mesh), pa)
+  specs = zspecs.state_specs(tx, pax.unbox(params),
+                             _axis_size(tx, mesh, "z1.state_shardings"), pa)
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, P))
 
@@ -114,7 +140,7 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
     ValueError: the mesh lacks the axis, or the inner optimizer is not
       elementwise.
   """
-  n = _axis_size(tx, mesh)
+  n = _axis_size(tx, mesh, "z1.init")
   pa = param_axes(tx, params, mesh)
   params = pax.unbox(params)
 
@@ -228,8 +254,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     ``loss`` (mean over the global batch), ``grad_norm`` (global, before
     clipping), ``skipped`` (overflow: nothing changed), ``loss_scale``.
   """
+  n = _axis_size(tx, mesh, "z1.train_step")
   axis = tx.config.axis_name
-  n = _axis_size(tx, mesh)
   accum = int(grad_accum_steps)
   if accum < 1:
     raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
