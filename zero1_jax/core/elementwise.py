@@ -51,7 +51,9 @@ REFUSAL = (
     "Use it unsharded (plain data parallel), or replace that transform with "
     "an elementwise one (adam, adamw, lion, sgd, rmsprop, adagrad, ...); for "
     "gradient clipping pass zero1(..., max_grad_norm=...) instead of "
-    "optax.clip_by_global_norm.")
+    "optax.clip_by_global_norm; to skip steps whose gradients hold inf/nan "
+    "(optax.apply_if_finite, zero_nans) pass "
+    "zero1(..., loss_scale=z1.NoLossScale(skip_nonfinite=True)).")
 
 
 class Refused(ValueError):
