@@ -36,7 +36,7 @@ CONFIG = {"train_batch_size": 8, "gradient_accumulation_steps": 2,
 pytestmark = pytest.mark.timeout(600)
 
 
-def train(tmp, out, *, procs=1, steps=4, extra=(), wait=True):
+def train(tmp, out, *, procs=1, steps=4, extra=(), wait=True, session=False):
   cfg = tmp / "ds.json"
   cfg.write_text(json.dumps(CONFIG))
   cmd = [sys.executable, "-m", "zero1_jax.cli.train", "--deepspeed", str(cfg),
@@ -50,7 +50,8 @@ def train(tmp, out, *, procs=1, steps=4, extra=(), wait=True):
   env = {**os.environ, "XLA_FLAGS": ""}   # not the test process's 8 devices
   if not wait:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            start_new_session=session)
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc
@@ -161,3 +162,32 @@ def test_a_dead_peer_fails_the_survivor_within_the_heartbeat(tmp_path):
   assert procs[0].returncode != 0
   assert time.monotonic() - t < 60
   assert "another task died" in err or "heartbeat" in err
+
+
+def test_ctrl_c_stops_every_process_once_with_one_line(tmp_path):
+  """Ctrl-C in a terminal (SIGINT to the job's whole process group): each
+  process gets exactly one SIGINT (the launcher runs them in their own
+  sessions and forwards it; a second would abandon a save), stops as a lone
+  process does, and the job exits 130 with one line from process 0 naming
+  the checkpoint to resume."""
+  old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal
+  try:
+    proc = train(tmp_path, "int", procs=2, steps=100000, wait=False,
+                 session=True)          # its own process group, as a shell job
+  finally:
+    signal.signal(signal.SIGINT, old)
+  ckpt = tmp_path / "int" / "checkpoints"
+  deadline = time.monotonic() + 240
+  while not (ckpt / "2").is_dir():
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  os.killpg(proc.pid, signal.SIGINT)        # what the terminal's Ctrl-C does
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-3000:]
+  assert "Traceback" not in err, err[-3000:]
+  assert "abandon" not in err.replace("to abandon it", ""), err[-3000:]
+  lines = [l for l in err.splitlines() if l.startswith("zero1-train: interrupted")]
+  assert len(lines) == 1, err[-3000:]
+  last = checkpoint.Checkpointer(ckpt, create=False).latest_step()
+  assert f"the last checkpoint is step {last} in {ckpt}" in lines[0]

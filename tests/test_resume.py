@@ -124,3 +124,46 @@ def test_corrupt_latest_checkpoint_falls_back_only_when_asked(tmp_path, ref):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_ctrl_c_says_how_to_continue_and_resume_does(tmp_path):
+  """Ctrl-C (SIGINT) mid-run: exit 130 with one line naming the last
+  committed checkpoint, no traceback; --resume latest continues from it, even
+  with a metrics line cut short (as a kill -9 mid-write leaves it)."""
+  # Python ignores SIGINT if it starts with SIGINT ignored (as a CI shell's
+  # background job does): the child gets the terminal's default, since a
+  # handler (unlike SIG_IGN) is reset at exec.
+  old = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    proc = subprocess.Popen(
+        cmd(tmp_path, "int", "--max_steps", "100000"), env=ENV,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  finally:
+    signal.signal(signal.SIGINT, old)
+  ckpt = tmp_path / "int" / "checkpoints"
+  deadline = time.monotonic() + 180
+  while not committed(ckpt, 4):
+    assert proc.poll() is None, proc.stderr.read()[-2000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGINT)
+  err = proc.communicate(timeout=120)[1]
+  assert proc.returncode == 130, err[-2000:]
+  assert "Traceback" not in err, err[-2000:]
+  last = checkpoint.Checkpointer(ckpt, create=False).latest_step()
+  assert last >= 4
+  assert (f"the last checkpoint is step {last} in {ckpt}: --resume latest "
+          f"continues from it") in err.splitlines()[-1], err[-2000:]
+  rows = [json.loads(l) for l in open(tmp_path / "int" / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+  assert f"interrupted after step {len(rows)} " in err
+
+  with open(tmp_path / "int" / "metrics.jsonl", "a") as f:
+    f.write('{"step": 99999, "lo')                  # cut short
+  resumed = subprocess.run(
+      cmd(tmp_path, "int", "--resume", "latest", "--max_steps", str(last + 2)),
+      env=ENV, capture_output=True, text=True, timeout=240)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert f"at step {last} " in resumed.stdout
+  rows = [json.loads(l) for l in open(tmp_path / "int" / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == list(range(1, last + 3))

@@ -18,6 +18,10 @@ def gib(nbytes: float) -> str:
   return f"{nbytes / _GiB:.3g} GiB"
 
 
+class Interrupted(Exception):
+  """Ctrl-C during training; the message says where the run stands."""
+
+
 class UsageError(ValueError):
   """Bad command-line input; reported in one line, exit code 2."""
 
@@ -131,8 +135,13 @@ def read_history(out_dir: str, upto_step: int) -> list[dict]:
   rows = []
   if upto_step and os.path.exists(path):
     with open(path) as f:
-      rows = [r for r in map(json.loads, filter(str.strip, f))
-              if r["step"] <= upto_step]
+      for line in filter(str.strip, f):
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError:   # a line cut short by a kill -9
+          continue
+        if row["step"] <= upto_step:
+          rows.append(row)
   if os.path.isdir(out_dir):
     with open(path, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -216,10 +225,19 @@ def release_notes() -> None:
 
 
 def guarded(fn: Callable, args, prog: str) -> int:
-  """Runs ``fn(args)``; bad input becomes one line on stderr and exit 2."""
+  """Runs ``fn(args)``; bad input becomes one line on stderr and exit 2,
+  Ctrl-C one line and exit 130 (the shell's code for SIGINT)."""
   from zero1_jax.deepspeed.config import ConfigError
   try:
     fn(args)
+  except Interrupted as e:
+    if str(e):            # the main process speaks for the job
+      print(f"{prog}: {e}", file=sys.stderr)
+    return 130
+  except KeyboardInterrupt:
+    drop_notes()
+    print(f"{prog}: interrupted", file=sys.stderr)
+    return 130
   except (UsageError, ConfigError, ValueError, OSError) as e:
     drop_notes()
     print(f"{prog}: error: {e}", file=sys.stderr)

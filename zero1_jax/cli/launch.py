@@ -1,10 +1,12 @@
 """Local multi-process launcher: ``zero1-train --num_processes 2 --num_devices 2``
 spawns 2 processes with 2 CPU devices each on 127.0.0.1, like
 ``deepspeed --num_gpus``. If any process fails, the others are stopped and
-the launcher exits non-zero with one line saying which one."""
+the launcher exits non-zero with one line saying which one. Ctrl-C stops
+every process as it stops a lone one (exit 130)."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -35,22 +37,59 @@ def launch_local(module: str, argv: list[str], num_processes: int,
   """Runs ``python -m module argv --process_id i --coordinator_address ...``
   for i in range(num_processes); returns the job's exit code."""
   address = f"127.0.0.1:{free_port()}"
+  # Each in its own session: a Ctrl-C reaches the launcher alone, which hands
+  # exactly one SIGINT to every process (a second one would abandon a save).
   procs = [subprocess.Popen([sys.executable, "-m", module, *argv,
                              "--process_id", str(i),
-                             "--coordinator_address", address])
+                             "--coordinator_address", address],
+                            start_new_session=True)
            for i in range(num_processes)]
   try:
-    while True:
-      codes = [p.poll() for p in procs]
-      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-      if failed:
-        i, c = failed[0]
-        _stop(procs)
-        print(f"{prog}: error: process {i} exited with code {c}; stopped the "
-              f"other {num_processes - 1} process(es).", file=sys.stderr)
-        return 1
-      if all(c == 0 for c in codes):
-        return 0
-      time.sleep(0.2)
+    return _watch(procs, prog)
+  except KeyboardInterrupt:
+    return _interrupt(procs, prog)
   finally:
     _stop(procs)
+
+
+def _watch(procs: list[subprocess.Popen], prog: str) -> int:
+  """Polls until all succeed (0) or one fails (1, the others stopped)."""
+  while True:
+    codes = [p.poll() for p in procs]
+    failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    if failed:
+      i, c = failed[0]
+      _stop(procs)
+      print(f"{prog}: error: process {i} exited with code {c}; stopped the "
+            f"other {len(procs) - 1} process(es).", file=sys.stderr)
+      return 1
+    if all(c == 0 for c in codes):
+      return 0
+    time.sleep(0.2)
+
+
+def _interrupt(procs: list[subprocess.Popen], prog: str,
+               straggle_s: float = 30.0) -> int:
+  """Ctrl-C: every process stops as a lone one does (a save in flight
+  commits, each says where it stands); a second Ctrl-C stops them at once."""
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGINT)
+  try:
+    first_done = None
+    while any(p.poll() is None for p in procs):
+      if first_done is None and any(p.poll() is not None for p in procs):
+        first_done = time.monotonic()
+      # One process stopped a step earlier than another, which now waits in
+      # a collective that will never complete: the launcher stops it.
+      if first_done is not None and time.monotonic() - first_done > straggle_s:
+        print(f"{prog}: a process still ran {straggle_s:.0f} s after another "
+              f"stopped: stopping it", file=sys.stderr)
+        break
+      time.sleep(0.2)
+  except KeyboardInterrupt:
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGINT)   # the second: abandon the save
+    print(f"{prog}: interrupted again: stopping every process", file=sys.stderr)
+  return 130

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from zero1_jax.cli import common, memory, rundir
+from zero1_jax.cli import common, interrupt, memory, rundir
 
 log = logging.getLogger("zero1_jax")
 
@@ -202,9 +202,57 @@ def run(args: argparse.Namespace) -> dict | None:
   log_lines = args.no_progress or not common.has_progress_bar()
   bar = common.progress(args.max_steps, initial=engine.global_steps,
                         disable=log_lines or not main_process)
-  if engine.global_steps < args.max_steps:
-    _compiled_check(engine, batches, est, args, main_process)
   t0 = time.perf_counter()
+  try:
+    if engine.global_steps < args.max_steps:
+      _compiled_check(engine, batches, est, args, main_process)
+      t0 = time.perf_counter()
+    _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
+           ckpt_dir)
+    bar.close()
+    with interrupt.deferred_sigint():
+      engine.wait_checkpoints()
+  except KeyboardInterrupt:
+    bar.close()
+    msg = _interrupted(engine, history, args, ckpt_dir, main_process)
+    raise common.Interrupted(msg if main_process else "") from None
+  if not main_process:
+    return None
+  wall = time.perf_counter() - t0
+  summary = common.write_outputs(args.output_dir, history, mem, engine, wall)
+  print(f"[zero1-train] {engine.global_steps} steps ({engine.skipped_steps} "
+        f"skipped) in {wall:.1f}s; {common.loss_text(summary)}; outputs in "
+        f"{args.output_dir}", flush=True)
+  return summary
+
+
+def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
+  """Ctrl-C: lets a save in flight commit (a second Ctrl-C abandons it) and
+  says where the run stands and how to continue it."""
+  if main_process:
+    print("[zero1-train] interrupted: finishing any checkpoint save in flight "
+          "(Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
+  try:
+    with interrupt.abandon_on_sigint():
+      engine.wait_checkpoints()
+  except Exception:  # noqa: BLE001 - a failed save: not committed, see below
+    pass
+  from zero1_jax import checkpoint
+  last = (checkpoint.Checkpointer(ckpt_dir, create=False).latest_step()
+          if os.path.isdir(ckpt_dir) else None)
+  where = (f"the last checkpoint is step {last} in {ckpt_dir}: "
+           f"--resume latest continues from it" if last is not None else
+           "no checkpoint was saved yet (--save_steps): --resume latest "
+           "starts again from step 0")
+  if not history:
+    return f"interrupted before the first step; {where}"
+  return (f"interrupted after step {history[-1]['step']} (its metrics are in "
+          f"{os.path.join(args.output_dir, 'metrics.jsonl')}); {where}")
+
+
+def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
+           ckpt_dir) -> None:
+  """The step loop: train, log, save every ``--save_steps``."""
   while engine.global_steps < args.max_steps:
     t = time.perf_counter()
     m = engine.train_batch(batches.batch_at(engine.global_steps))
@@ -226,19 +274,10 @@ def run(args: argparse.Namespace) -> dict | None:
             flush=True)
     if args.save_steps and (engine.global_steps % args.save_steps == 0
                             or engine.global_steps == args.max_steps):
-      engine.save_checkpoint(ckpt_dir, extra={"data_step": engine.global_steps,
-                                              "seed": args.seed},
-                             max_to_keep=args.save_total_limit)
-  bar.close()
-  engine.wait_checkpoints()
-  if not main_process:
-    return None
-  wall = time.perf_counter() - t0
-  summary = common.write_outputs(args.output_dir, history, mem, engine, wall)
-  print(f"[zero1-train] {engine.global_steps} steps ({engine.skipped_steps} "
-        f"skipped) in {wall:.1f}s; {common.loss_text(summary)}; outputs in "
-        f"{args.output_dir}", flush=True)
-  return summary
+      with interrupt.deferred_sigint():   # never inside orbax
+        engine.save_checkpoint(
+            ckpt_dir, extra={"data_step": engine.global_steps, "seed": args.seed},
+            max_to_keep=args.save_total_limit)
 
 
 def _compiled_check(engine, batches, est, args, main_process) -> None:

@@ -1,0 +1,80 @@
+"""Ctrl-C around checkpoint saves: never inside orbax.
+
+A KeyboardInterrupt raised inside orbax's save or wait leaves its manager
+believing the step is gone while its writer threads go on (and orbax logs a
+traceback). So while ``zero1-train`` is inside a save, the first Ctrl-C is
+held until the save call returns and then raised as usual; a second one
+abandons the save and exits at once (the step's temporary directory is
+removed by the next run). Outside the main thread, or where SIGINT is
+ignored, nothing changes.
+
+Example:
+  >>> with deferred_sigint():
+  ...   pass    # a Ctrl-C in here is raised when the block ends
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from typing import Iterator
+
+ABANDONED = 130   # the shell's exit status for SIGINT
+
+
+def _main_thread_handler() -> object | None:
+  """The current SIGINT handler, or None where it cannot be replaced."""
+  if threading.current_thread() is not threading.main_thread():
+    return None
+  old = signal.getsignal(signal.SIGINT)
+  return None if old in (signal.SIG_IGN, None) else old
+
+
+def abandon(prog: str = "zero1-train") -> None:
+  """Exits at once with status 130 (a second Ctrl-C)."""
+  print(f"{prog}: interrupted again: the checkpoint save in flight is "
+        f"abandoned (its step is not committed)", file=sys.stderr, flush=True)
+  os._exit(ABANDONED)
+
+
+@contextlib.contextmanager
+def deferred_sigint(prog: str = "zero1-train") -> Iterator[None]:
+  """Holds a first Ctrl-C until the block ends, then raises it; a second
+  one calls :func:`abandon`."""
+  old = _main_thread_handler()
+  if old is None:
+    yield
+    return
+  got = []
+
+  def hold(signum, frame):
+    del frame
+    if got:
+      abandon(prog)
+    got.append(signum)
+    print(f"[{prog}] Ctrl-C: stopping once the checkpoint save returns "
+          f"(Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
+
+  signal.signal(signal.SIGINT, hold)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, old)
+  if got and callable(old):
+    old(signal.SIGINT, None)      # default_int_handler: KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def abandon_on_sigint(prog: str = "zero1-train") -> Iterator[None]:
+  """While waiting for saves after a Ctrl-C: another one exits at once."""
+  old = _main_thread_handler()
+  if old is None:
+    yield
+    return
+  signal.signal(signal.SIGINT, lambda signum, frame: abandon(prog))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, old)
