@@ -1,0 +1,184 @@
+"""Why a compiled peak differs: live bytes at the peak vs heap fragmentation.
+
+``memory_analysis()`` reports the memory XLA allocates, which is the bytes
+live at the worst point of the schedule *plus* what allocation adds: the
+gaps its heap packing leaves, and buffers kept apart (outputs, constants). Issue #10 compares ZeRO-1's compiled peak with
+GSPMD's; this script separates the two parts for one model and N, from XLA's
+own dumps of the compiled step (each method compiled in a subprocess with
+``--xla_dump_to``):
+
+* ``heap``: ``Total bytes`` of the memory-usage report (= argument + output -
+  alias + temp of ``memory_analysis``, within a few KB);
+* ``live at peak``: the memory the values XLA's live-range analysis lists at
+  its peak instruction occupy (placed by the buffer assignment; a value that
+  an in-place fusion writes over its operand's buffer is counted once);
+* the buffers of at least ``--min_kb`` KiB live at the peak, each with its
+  HLO op, where the two methods differ.
+
+Run: ``python -m experiments.peak_breakdown [--size s] [--n 8]
+[--dtypes fp32 bf16] [--out FILE]`` (a markdown report).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+METHODS = ("zero1_rs", "gspmd")
+ARGUMENT = "(argument)"
+
+
+def _compile_and_dump(method: str, size: str, dtype: str, n: int, dump: str) -> None:
+  """In this (fresh) process: compile ``method``'s step with the dump on."""
+  del dump   # XLA_FLAGS (set by the parent) already says where
+  from experiments import bench_setup as bs
+  m = bs.model(size, dtype, 64)
+  b = bs.device_batch(bs.batch(2 * n, 64), n)
+  bs._build(method, m, n, b, bs.DEFAULT_BUCKET, bs.DEFAULT_INPLACE)
+
+
+def _files(dump: str) -> tuple[str, str, str]:
+  def one(suffix):
+    hits = sorted(glob.glob(os.path.join(dump, f"*jit_step*{suffix}")))
+    if not hits:
+      raise SystemExit(f"peak_breakdown: no *jit_step*{suffix} in {dump}: this "
+                       f"XLA does not write that dump")
+    return hits[-1]
+  return (one("cpu_after_optimizations-memory-usage-report.txt"),
+          one("cpu_after_optimizations-live-range.txt"),
+          one("cpu_after_optimizations.txt"),
+          one("cpu_after_optimizations-buffer-assignment.txt"))
+
+
+def _placement(assignment: str) -> dict[str, tuple[int, int, int]]:
+  """HLO value (``name{index}``) -> (allocation, offset, size) it occupies."""
+  out, alloc = {}, -1
+  for line in assignment.splitlines():
+    m = re.match(r"allocation (\d+):", line)
+    if m:
+      alloc = int(m.group(1))
+      continue
+    m = re.match(r" value: <\d+ ([\w.\-]+)(\{[^}]*\})? @\d+> "
+                 r"\(size=(\d+),offset=(\d+)\)", line)
+    if m:
+      out[m.group(1) + (m.group(2) or "{}")] = (alloc, int(m.group(4)),
+                                                int(m.group(3)))
+  return out
+
+
+def _distinct_bytes(values: list[str], placement: dict) -> int:
+  """Bytes of memory the values occupy, counting once what several share
+  (an in-place fusion writes its output over an operand's buffer)."""
+  spans = collections.defaultdict(list)
+  for v in values:
+    alloc, off, size = placement[v]
+    spans[alloc].append((off, off + size))
+  total = 0
+  for ivs in spans.values():
+    end = -1
+    for a, b in sorted(ivs):
+      total += max(0, b - max(a, end))
+      end = max(end, b)
+  return total
+
+
+def _op_names(hlo: str) -> dict[str, str]:
+  """HLO instruction -> the jax op that made it (its metadata op_name)."""
+  out = {}
+  for m in re.finditer(r"%([\w.\-]+) = [^\n]*?op_name=\"([^\"]+)\"", hlo):
+    out[m.group(1)] = m.group(2)
+  for m in re.finditer(r"%([\w.\-]+) = [^\n=]*? parameter\(\d+\)", hlo):
+    out[m.group(1)] = ARGUMENT
+  return out
+
+
+def parse(dump: str) -> dict:
+  report, live, hlo, assignment = (open(p).read() for p in _files(dump))
+  heap = int(re.search(r"Total bytes: (\d+)", report).group(1))
+  block = live[live.index("(peak):"):]
+  block = block[:block.index("Stack trace")] if "Stack trace" in block else block
+  vals = re.findall(r"^\s+([\w.\-]+)(\{[^}]*\}): (\d+) bytes", block, re.M)
+  names = _op_names(hlo)
+  return dict(heap=heap,
+              live=_distinct_bytes([n + i for n, i, _ in vals], _placement(assignment)),
+              buffers=[(n, int(b), _label(n, names)) for n, _, b in vals])
+
+
+def _label(name: str, names: dict[str, str]) -> str:
+  """What made buffer ``name``: "(argument)" for the step's inputs, else the
+  jax op (without the jit/shard_map prefix the two methods differ by)."""
+  if names.get(name) == ARGUMENT:
+    return ARGUMENT
+  return re.sub(r"^jit\(step\)/(shard_map/)?", "", names.get(name, "?"))
+
+
+def measure(size: str, dtype: str, n: int) -> dict[str, dict]:
+  out = {}
+  for method in METHODS:
+    with tempfile.TemporaryDirectory() as dump:
+      env = {**os.environ, "XLA_FLAGS": (
+          f"--xla_force_host_platform_device_count={n} --xla_dump_to={dump} "
+          f"--xla_dump_hlo_module_re=.*jit_step.* --xla_dump_hlo_as_text")}
+      subprocess.run([sys.executable, "-m", "experiments.peak_breakdown",
+                      "--_child", json.dumps([method, size, dtype, n, dump])],
+                     env=env, check=True)
+      out[method] = parse(dump)
+  return out
+
+
+def report(size: str, n: int, dtypes: list[str], min_kb: float) -> str:
+  lines = [f"### Compiled peak of the step: live bytes vs heap (model `{size}`, "
+           f"N={n}, `python -m experiments.peak_breakdown`)", "",
+           "heap = what `memory_analysis()` reports (argument + output - alias "
+           "+ temp); live at peak = the memory occupied by the values XLA's "
+           "live-range analysis lists at its peak instruction (shared buffers "
+           "counted once); heap - live = what allocation adds on top: the "
+           "gaps heap packing leaves, and buffers kept apart from the heap "
+           "(outputs, constants).", "",
+           "| dtype | method | heap B | live at peak B | heap - live B |",
+           "|---|---|---|---|---|"]
+  diffs = []
+  for dtype in dtypes:
+    got = measure(size, dtype, n)
+    for method, r in got.items():
+      lines.append(f"| {dtype} | {method} | {r['heap']:,} | {r['live']:,} | "
+                   f"{r['heap'] - r['live']:,} |")
+    a, b = (collections.Counter((s, op) for _, s, op in got[m]["buffers"]
+                                if s >= min_kb * 1024) for m in METHODS)
+    for (s, op), k in sorted(((a - b) + (b - a)).items(), key=lambda t: -t[0][0]):
+      who = METHODS[0] if (s, op) in (a - b) else METHODS[1]
+      diffs.append(f"| {dtype} | {who} only | {s:,} x {k} | `{op}` |")
+  lines += ["", f"Buffers of at least {min_kb:g} KiB live at the peak in one "
+            f"method and not the other (matched by size and op):", "",
+            "| dtype | where | bytes x count | made by |", "|---|---|---|---|"]
+  lines += diffs or ["| - | - | - | - |"]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--size", default="s")
+  p.add_argument("--n", type=int, default=8)
+  p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+  p.add_argument("--min_kb", type=float, default=64)
+  p.add_argument("--out")
+  p.add_argument("--_child", help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+  if a._child:
+    _compile_and_dump(*json.loads(a._child))
+    return
+  text = report(a.size, a.n, a.dtypes, a.min_kb)
+  print(text)
+  if a.out:
+    with open(a.out, "w") as f:
+      f.write(text)
+
+
+if __name__ == "__main__":
+  main()
