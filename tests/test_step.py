@@ -223,6 +223,26 @@ def test_a_transform_that_is_not_zero1_names_the_fix(tx, fix):
       call()
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_loss_that_is_not_a_scalar_names_the_fix(stage):
+  """A per-example loss vector, or (loss, aux) without has_aux: TypeErrors
+  saying what to change (were jax's "Gradient only defined for scalar-output
+  functions" and an AttributeError on a tuple)."""
+  make = z1.zero1 if stage == 1 else z1.zero2
+  tx = make(optax.adam(1e-3), axis_name="data")
+  per_example = lambda p, b: jnp.mean(jnp.square(
+      b["x"] @ p["dense"]["kernel"]), axis=1)
+  with_aux = lambda p, b: (loss_fn(p, b), {"n": b["x"].shape[0]})
+  for loss, kw, want in (
+      (per_example, {}, r"must return a floating scalar.*got float32\[2\].*jnp\.mean"),
+      (with_aux, {}, r"returned a tuple of 2; .*pass has_aux=True"),
+      (loss_fn, {"has_aux": True}, r"has_aux=True but loss_fn returned one array, float32\[\], not a \(loss, aux\) pair")):
+    p, s = z1.init(tx, odd_params(), mesh(4))
+    step = z1.train_step(loss, tx, mesh(4), **kw)
+    with pytest.raises(TypeError, match=want):
+      step(p, s, batch(8))
+
+
 def test_batch_not_divisible_by_devices_times_accumulation():
   tx = z1.zero1(optax.adam(1e-3), axis_name="data")
   p, s = z1.init(tx, odd_params(), mesh(4))

@@ -1,9 +1,11 @@
 """Checks of what :func:`zero1_jax.zero1`'s update is handed: each tree
 against the parameter layout, with errors naming the first path that differs
-and the fix.
+and the fix; and of what the user's ``loss_fn`` returns.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,3 +88,28 @@ def check_shards(tree, layout: lay.Layout) -> list:
           f"takes the summed 1/N shards (zero2's train_step); pass whole local "
           f"gradients without it.")
   return leaves
+
+
+def split_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
+  """``(loss, aux)`` from what loss_fn returned; TypeError naming the fix
+  when it is not a scalar loss (or a (loss, aux) pair with has_aux)."""
+  if has_aux:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      got = (f"one array, {jnp.result_type(out)}{list(jnp.shape(out))}"
+             if hasattr(out, "shape") else type(out).__name__)
+      raise TypeError(f"zero1: has_aux=True but loss_fn returned {got}, not "
+                      f"a (loss, aux) pair; drop has_aux or return both")
+    loss, aux = out
+  elif isinstance(out, (tuple, list)):
+    raise TypeError(f"zero1: loss_fn returned a {type(out).__name__} of "
+                    f"{len(out)}; if it is (loss, aux), pass has_aux=True to "
+                    f"z1.train_step")
+  else:
+    loss, aux = out, None
+  if jnp.ndim(loss) != 0 or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+    raise TypeError(
+        f"zero1: loss_fn must return a floating scalar, the mean loss over the "
+        f"examples it is given (each device's share of the batch); got "
+        f"{jnp.result_type(loss)}{list(jnp.shape(loss))}. Reduce it, e.g. "
+        f"jnp.mean(per_example_loss)")
+  return loss, aux

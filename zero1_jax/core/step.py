@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero1_jax.core import checks as chk
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
@@ -266,8 +267,7 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     """This device's gradients (stage 2: its reduced shards) summed over the
     micro-batches, with the loss and aux summed likewise."""
     def scaled_loss(p, mb):
-      out = loss_fn(p, mb)
-      loss, aux = out if has_aux else (out, None)
+      loss, aux = chk.split_loss(loss_fn(p, mb), has_aux)
       return (loss * scale.astype(loss.dtype) / accum).astype(loss.dtype), (loss, aux)
 
     if stage2:
