@@ -149,13 +149,18 @@ def in_place_vs_packed():
 def test_in_place_collectives_write_no_bucket_copy(in_place_vs_packed):
   """In place, each leaf's gradient is reduce-scattered and its shard
   all-gathered as it is: the step writes at least the bucket copy (4 Psi
-  bytes) less than the packed step (measured 1.38 x 4 Psi with the unpacking
-  slices), and holds no concatenated gradient
-  buffer."""
+  bytes) less than the packed step (measured 1.25 x 4 Psi with the unpacking
+  slices), and holds no concatenated gradient buffer.
+
+  And the packed step copies nothing more: its gradient norm reads each
+  bucket's summed shard in one pass. Summed per leaf, XLA:CPU first copies
+  each leaf's slice out of the bucket (another 4 Psi / N: measured 1.38 x
+  4 Psi then), which the 1.3 bound catches."""
   from experiments.hlo_bytes import written
   inp, packed = (in_place_vs_packed[k][0] for k in ("in_place", "packed"))
   w_in, w_packed = written(inp.as_text()), written(packed.as_text())
   assert w_packed.total - w_in.total >= 4 * PSI8, (w_in.total, w_packed.total)
+  assert w_packed.total - w_in.total <= 1.3 * 4 * PSI8, (w_in.total, w_packed.total)
   assert "concatenate" not in inp.as_text()
   coll = z1.inspect.collectives(inp)
   assert coll["reduce-scatter"].count == coll["all-gather"].count == 2 * LAYERS

@@ -17,7 +17,7 @@ are built here rather than left to XLA.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,21 +70,33 @@ def _split_shards(pieces: dict[int, list[jax.Array]], layout: Layout
   return out
 
 
+class Reduced(NamedTuple):
+  """What :func:`reduce_scatter` hands back."""
+
+  shards: dict[int, jax.Array]   # leaf index -> this device's summed shard
+  # Each packed bucket's summed piece as it arrived (this device's columns,
+  # zero where the layout pads) and the leaves it covers: a whole-bucket
+  # reduction reads it in place, where one per leaf would make XLA:CPU copy
+  # each leaf's slice out first.
+  packed: list[tuple[jax.Array, tuple[int, ...]]]
+
+
 def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
                    buckets: Sequence[Bucket], axis_name: str, *,
-                   all_reduce: bool = False) -> dict[int, jax.Array]:
+                   all_reduce: bool = False) -> Reduced:
   """Sums full local gradients over the axis; returns this device's shards.
 
   ``all_reduce=True`` takes the all-reduce path instead (``psum`` of the
   bucket, then this device's slice): the same result, 1.5x the traffic of
   reduce-scatter; kept for parity with DeepSpeed's ``reduce_scatter: false``.
-  Each bucket is one collective. Returns ``{leaf index: shard}`` for SHARD
-  leaves, in each bucket's dtype.
+  Each bucket is one collective. The shards are ``{leaf index: shard}`` for
+  SHARD leaves, in each bucket's dtype.
   """
   n = layout.num_shards
   views: dict[int, jax.Array] = {}
   pieces: dict[int, list[jax.Array]] = {}
   whole: dict[int, jax.Array] = {}
+  packed: list[tuple[jax.Array, tuple[int, ...]]] = []
   me = jax.lax.axis_index(axis_name) if all_reduce else None
   for b in buckets:
     i = b.whole_leaf(layout)
@@ -105,11 +117,12 @@ def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
     else:
       mine = jax.lax.psum_scatter(buf.reshape(-1), axis_name,
                                   scatter_dimension=0, tiled=True)
+    packed.append((mine, tuple(sorted({s.leaf for s in b.segments}))))
     at = 0
     for s in b.segments:
       pieces.setdefault(s.leaf, []).append(mine[at:at + s.length])
       at += s.length
-  return {**_split_shards(pieces, layout), **whole}
+  return Reduced({**_split_shards(pieces, layout), **whole}, packed)
 
 
 def _pad_to_shards(x: jax.Array, spec: LeafSpec) -> jax.Array:

@@ -259,14 +259,15 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     # make XLA write that tree out (it does not duplicate divides into two
     # consumers). A divide, not a multiply by the reciprocal: bitwise what
     # optax computes from pmean'd gradients.
+    packed = []
     if pre_reduced:   # stage 2: summed shards (zero2.py), still / N
       reduced = {i: g_leaves[i] for i in layout.indices(lay.SHARD)
                  + layout.indices(lay.REPLICATE)}
     elif grads_are == jm.REDUCED:   # jit already summed them: no collective
       reduced = jm.local_shards(g_leaves, layout, axis)
     else:
-      reduced = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
-                                   all_reduce=cfg.reduce == "all_reduce")
+      reduced, packed = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
+                                           all_reduce=cfg.reduce == "all_reduce")
       reduced.update(col.psum_replicated(g_leaves, layout, axis))
     r = {i: v.astype(cfg.master_dtype) for i, v in reduced.items()}
     scale = state.loss_scale.scale
@@ -275,13 +276,22 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
 
     # 2. Global norm of the averaged gradient: shards are disjoint, replicated
     # leaves count once; on a 2-D mesh each block once (param_axes).
+    # A packed bucket's sum of squares is read from the bucket in one pass
+    # (its padding is zero); per leaf, XLA:CPU would first copy every leaf's
+    # slice out of it (its reductions do not fuse a slice in).
+    sq = lambda v: jnp.sum(jnp.square(v.astype(cfg.master_dtype)
+                                      .astype(jnp.float32)))
     groups: dict[tuple, Any] = {}
-    for i in sorted(r):
+    done: set[int] = set()
+    if pa is None:
+      for buf, leaves in packed:
+        groups[(axis,)] = groups.get((axis,), jnp.float32(0)) + sq(buf)
+        done.update(leaves)
+    for i in sorted(set(r) - done):
       v, spec = r[i], layout.leaves[i]
       over = (pa.norm_axes(i, spec) if pa is not None
               else (axis,) if spec.kind == lay.SHARD else ())
-      groups[over] = groups.get(over, jnp.float32(0)) + jnp.sum(
-          jnp.square(v.astype(jnp.float32)))
+      groups[over] = groups.get(over, jnp.float32(0)) + sq(v)
     g_norm = jnp.sqrt(sum((jax.lax.psum(v, over) if over else v
                            for over, v in sorted(groups.items())),
                           jnp.float32(0))) / denom
