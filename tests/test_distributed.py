@@ -191,3 +191,57 @@ def test_ctrl_c_stops_every_process_once_with_one_line(tmp_path):
   assert len(lines) == 1, err[-3000:]
   last = checkpoint.Checkpointer(ckpt, create=False).latest_step()
   assert f"the last checkpoint is step {last} in {ckpt}" in lines[0]
+
+
+def _child(launcher_pid: int, process_id: int) -> int:
+  """The pid of the launcher's child running ``--process_id process_id``."""
+  for stat in glob.glob("/proc/[0-9]*/stat"):
+    try:
+      with open(stat) as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+      if ppid != launcher_pid:
+        continue
+      pid = int(stat.split("/")[2])
+      with open(f"/proc/{pid}/cmdline") as f:
+        argv = f.read().split("\0")
+    except (OSError, ValueError, IndexError):
+      continue
+    if "--process_id" in argv and argv[argv.index("--process_id") + 1] == str(process_id):
+      return pid
+  raise AssertionError(f"no child with --process_id {process_id}")
+
+
+def test_ctrl_c_to_one_process_ends_the_job_while_another_is_in_a_step(tmp_path):
+  """SIGINT to process 0 alone: process 1 goes on into the next step and
+  blocks in its collective, which process 0 never joins. Process 0 must not
+  wait for it: neither to name the last checkpoint (an orbax manager's
+  constructor syncs all processes: it hung there) nor to leave the runtime
+  (jax.distributed's shutdown waits up to 5 minutes for everyone: it hung
+  there next). It says where the run stands and leaves within ~15 s; the
+  launcher stops process 1 and exits 130."""
+  proc = train(tmp_path, "one", procs=2, steps=100000, wait=False, session=True)
+  ckpt = tmp_path / "one" / "checkpoints"
+  deadline = time.monotonic() + 240
+  while not (ckpt / "2").is_dir():
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  children = [_child(proc.pid, i) for i in range(2)]
+  os.kill(children[0], signal.SIGINT)
+  t = time.monotonic()
+  try:
+    out, err = proc.communicate(timeout=90)
+  except subprocess.TimeoutExpired:   # the processes run in their own sessions
+    for pid in [proc.pid, *children]:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    raise
+  assert time.monotonic() - t < 60, err[-3000:]
+  assert proc.returncode == 130, err[-3000:]
+  assert "process 0 was interrupted; stopped the other 1 process(es)" in err, err[-3000:]
+  lines = [l for l in err.splitlines() if l.startswith("zero1-train: interrupted")]
+  assert len(lines) == 1, err[-3000:]
+  last = checkpoint.committed_steps(ckpt)[-1]
+  assert f"the last checkpoint is step {last} in {ckpt}" in lines[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import jax
@@ -86,6 +87,28 @@ def cluster_environment() -> bool:
     except ValueError:
       continue
   return False
+
+
+def leave(timeout_s: float = 15.0) -> bool:
+  """Leaves the multi-process runtime, waiting at most ``timeout_s``.
+
+  ``jax.distributed.shutdown`` (also run at interpreter exit) waits up to
+  five minutes for every process to leave with it. After a Ctrl-C one
+  process may be blocked in a step the interrupted ones never join: it
+  cannot leave, and the others would wait for it. Returns True when every
+  process left together; False when the wait timed out (the caller should
+  then exit with ``os._exit``: the runtime is still waiting inside).
+
+  Example::
+
+    if not z1.distributed.leave():
+      os._exit(130)
+  """
+  t = threading.Thread(target=jax.distributed.shutdown, daemon=True,
+                       name="zero1-leave")
+  t.start()
+  t.join(timeout_s)
+  return not t.is_alive()
 
 
 def is_main_process() -> bool:

@@ -6,12 +6,12 @@ exact resume, and export of the fp32 master weights.
 :mod:`.lifecycle` path resolution and the finishing of saves at exit.
 """
 from zero1_jax.checkpoint.export import export_params, load_params
-from zero1_jax.checkpoint.manager import Checkpointer
+from zero1_jax.checkpoint.manager import Checkpointer, committed_steps
 from zero1_jax.checkpoint.reshard import (CheckpointError,
                                           CheckpointMismatchError,
                                           CheckpointSaveError,
                                           UnreadableCheckpointError)
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError",
-           "Checkpointer", "UnreadableCheckpointError", "export_params",
-           "load_params"]
+           "Checkpointer", "UnreadableCheckpointError", "committed_steps",
+           "export_params", "load_params"]

@@ -86,6 +86,36 @@ def quiet_failed_reads() -> None:
     aio.addFilter(f)
 
 
+def committed_steps(directory) -> list[int]:
+  """The committed steps in ``directory``, oldest first, read from the
+  directory alone: no orbax manager, so no collective. A process can call it
+  while the others of its job are busy, or gone (after a Ctrl-C).
+
+  Example::
+
+    committed_steps("out/checkpoints")     # [2, 4, 6]; [] when there is none
+  """
+  return sorted(s for s, p in _step_dirs(lifecycle.absolute(directory)).items()
+                if _committed(p))
+
+
+def _step_dirs(directory: epath.Path) -> dict[int, epath.Path]:
+  if not directory.is_dir():
+    return {}
+  return {int(p.name): p for p in directory.iterdir()
+          if re.fullmatch(r"\d+", p.name) and p.is_dir()}
+
+
+def _committed(path: epath.Path) -> bool:
+  if (path / _COMMIT).exists():
+    return True
+  try:   # orbax records the commit time in the step metadata at finalize
+    meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
+    return meta.get("commit_timestamp_nsecs") is not None
+  except (OSError, ValueError):
+    return False
+
+
 class Checkpointer:
   """Saves and restores zero1 training state in ``directory``.
 
@@ -134,25 +164,9 @@ class Checkpointer:
 
   # -- listing --------------------------------------------------------------
 
-  def _step_dirs(self) -> dict[int, epath.Path]:
-    if not self.directory.is_dir():
-      return {}
-    return {int(p.name): p for p in self.directory.iterdir()
-            if re.fullmatch(r"\d+", p.name) and p.is_dir()}
-
-  @staticmethod
-  def _committed(path: epath.Path) -> bool:
-    if (path / _COMMIT).exists():
-      return True
-    try:   # orbax records the commit time in the step metadata at finalize
-      meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
-      return meta.get("commit_timestamp_nsecs") is not None
-    except (OSError, ValueError):
-      return False
-
   def all_steps(self) -> list[int]:
     """Committed steps, oldest first (unfinished saves are never listed)."""
-    return sorted(s for s, p in self._step_dirs().items() if self._committed(p))
+    return committed_steps(self.directory)
 
   def latest_step(self) -> int | None:
     steps = self.all_steps()
@@ -180,7 +194,7 @@ class Checkpointer:
     extra = reshard.jsonable(extra or {}, "extra")
     meta = reshard.manifest(params, opt_state, reshard.jsonable(config, "config"))
     self.wait()              # an earlier save's failure surfaces here
-    if step in self._step_dirs():
+    if step in _step_dirs(self.directory):
       if not force:
         raise CheckpointError(f"zero1 checkpoint: step {step} already exists "
                               f"in {self.directory} (pass force=True to "
@@ -223,7 +237,7 @@ class Checkpointer:
       path = self.directory / str(step)
       if not path.is_dir():      # removed by max_to_keep
         self._unrecorded.discard(step)
-      elif self._committed(path):
+      elif _committed(path):
         if jax.process_index() == 0:
           tmp = path / (_FILES + ".tmp")
           tmp.write_text(json.dumps(reshard.files_of(path, _FILES), indent=0))
@@ -270,7 +284,7 @@ class Checkpointer:
 
   def _step_path(self, step: int) -> epath.Path:
     """The committed, complete directory of ``step``, else a clear error."""
-    path = self._step_dirs().get(step)
+    path = _step_dirs(self.directory).get(step)
     where = f"zero1 checkpoint: step {step} in {self.directory}"
     if path is None:
       tmp = [p.name for p in self.directory.iterdir()
@@ -281,7 +295,7 @@ class Checkpointer:
             f"{where} is an unfinished save ({tmp[0]}); it is never loaded")
       raise UnreadableCheckpointError(
           f"{where} not found (committed steps: {self.all_steps()})")
-    if not self._committed(path):
+    if not _committed(path):
       raise UnreadableCheckpointError(
           f"{where} was never committed (no {step}/{_COMMIT}): an interrupted "
           f"save; it is never loaded")
@@ -397,7 +411,7 @@ class Checkpointer:
     self.wait()
     if not fallback_to_valid:
       return self._restore_one(self._resolve(step), tx, params_template, mesh)
-    dirs = self._step_dirs()
+    dirs = _step_dirs(self.directory)
     top = int(step) if step is not None else max(dirs, default=None)
     if top is None:
       raise UnreadableCheckpointError(

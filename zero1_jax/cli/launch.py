@@ -60,6 +60,10 @@ def _watch(procs: list[subprocess.Popen], prog: str) -> int:
     if failed:
       i, c = failed[0]
       _stop(procs)
+      if c in (130, -signal.SIGINT):   # a Ctrl-C sent to that process alone
+        print(f"{prog}: process {i} was interrupted; stopped the other "
+              f"{len(procs) - 1} process(es).", file=sys.stderr)
+        return 130
       print(f"{prog}: error: process {i} exited with code {c}; stopped the "
             f"other {len(procs) - 1} process(es).", file=sys.stderr)
       return 1

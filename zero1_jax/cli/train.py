@@ -116,8 +116,7 @@ def _resume_step(args, ckpt_dir: str) -> bool:
     return True
   from zero1_jax import checkpoint
   if os.path.isdir(ckpt_dir) and (
-      checkpoint.Checkpointer(ckpt_dir, create=False).latest_step() is not None
-      or args.resume == "latest-valid"):
+      checkpoint.committed_steps(ckpt_dir) or args.resume == "latest-valid"):
     return True
   if rundir.has_metrics(args.output_dir):
     print(f"[zero1-train] --resume {args.resume}: the run in {args.output_dir} "
@@ -238,8 +237,10 @@ def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
   except Exception:  # noqa: BLE001 - a failed save: not committed, see below
     pass
   from zero1_jax import checkpoint
-  last = (checkpoint.Checkpointer(ckpt_dir, create=False).latest_step()
-          if os.path.isdir(ckpt_dir) else None)
+  # From the directory alone: an orbax manager's constructor syncs every
+  # process, and another may be stuck in a step this one never joins.
+  steps = checkpoint.committed_steps(ckpt_dir)
+  last = steps[-1] if steps else None
   where = (f"the last checkpoint is step {last} in {ckpt_dir}: "
            f"--resume latest continues from it" if last is not None else
            "no checkpoint was saved yet (--save_steps): --resume latest "
@@ -318,7 +319,28 @@ def main(argv=None) -> int:
     from zero1_jax.cli import launch
     return launch.launch_local("zero1_jax.cli.train", argv, args.num_processes)
   common.setup_logging()
-  return common.guarded(run, args, "zero1-train")
+  code = common.guarded(run, args, "zero1-train")
+  if code == 130 and _multi_process():
+    _leave_after_interrupt()
+  return code
+
+
+def _multi_process() -> bool:
+  jax = sys.modules.get("jax")
+  return jax is not None and jax.process_count() > 1
+
+
+def _leave_after_interrupt() -> None:
+  """A Ctrl-C in a multi-process job: another process may be blocked in a
+  step this one never joins, so leaving the runtime together (what exit
+  does, for up to five minutes) may never happen. Leave without it; the
+  launcher, or the runtime's heartbeat, stops the blocked one."""
+  from zero1_jax import distributed
+  if not distributed.leave(timeout_s=15.0):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(130)
 
 
 if __name__ == "__main__":
