@@ -75,3 +75,41 @@ def test_readme_2d_mesh_example_runs(capsys):
   out = capsys.readouterr().out.strip().splitlines()
   assert out == ["P(None, 'model') P('data', 'model')"], out
   assert float(scope["metrics"]["loss"]) < 2.0
+
+
+def _blocks() -> list[str]:
+  text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_every_readme_block_runs_alone_or_after_the_complete_example():
+  """Each python block runs as pasted: on its own if it imports what it
+  uses, else right after the complete example (the README says which it
+  continues). A fragment that leans on names it never defines fails here
+  with a NameError, as it would for a user."""
+  blocks = _blocks()
+  example = next(b for b in blocks if "for _ in range(10)" in b)
+  ran = 0
+  for b in blocks:
+    if "Checkpointer(" in b:    # writes files: run from another dir above
+      continue
+    scope: dict = {}
+    if not b.startswith("import "):
+      exec(compile(example, "README.md", "exec"), scope)
+    exec(compile(b, "README.md", "exec"), scope)
+    ran += 1
+  assert ran == len(blocks) - 1
+
+
+def test_readme_first_block_and_engine_block_train():
+  blocks = _blocks()
+  first = blocks[0]
+  scope: dict = {}
+  exec(compile(first, "README.md", "exec"), scope)
+  assert float(scope["metrics"]["loss"]) == 1.0     # zero weights, targets 1
+  example = next(b for b in blocks if "for _ in range(10)" in b)
+  engine_block = next(b for b in blocks if "z1.initialize(" in b)
+  scope = {}
+  exec(compile(example + engine_block, "README.md", "exec"), scope)
+  assert scope["engine"].global_steps == 1
+  assert float(scope["metrics"]["loss"]) < 1.0
