@@ -182,8 +182,9 @@ def test_ctrl_c_stops_every_process_once_with_one_line(tmp_path):
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     assert time.monotonic() < deadline
     time.sleep(0.05)
+  children = [_child(proc.pid, i) for i in range(2)]
   os.killpg(proc.pid, signal.SIGINT)        # what the terminal's Ctrl-C does
-  out, err = proc.communicate(timeout=120)
+  out, err = _communicate_or_kill(proc, children, 120)
   assert proc.returncode == 130, err[-3000:]
   assert "Traceback" not in err, err[-3000:]
   assert "abandon" not in err.replace("to abandon it", ""), err[-3000:]
@@ -211,6 +212,20 @@ def _child(launcher_pid: int, process_id: int) -> int:
   raise AssertionError(f"no child with --process_id {process_id}")
 
 
+def _communicate_or_kill(proc, children, timeout):
+  """A hung job fails the test without leaving its processes running (they
+  run in their own sessions: a kill of the launcher's group misses them)."""
+  try:
+    return proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    for pid in [proc.pid, *children]:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    raise
+
+
 def test_ctrl_c_to_one_process_ends_the_job_while_another_is_in_a_step(tmp_path):
   """SIGINT to process 0 alone: process 1 goes on into the next step and
   blocks in its collective, which process 0 never joins. Process 0 must not
@@ -229,15 +244,7 @@ def test_ctrl_c_to_one_process_ends_the_job_while_another_is_in_a_step(tmp_path)
   children = [_child(proc.pid, i) for i in range(2)]
   os.kill(children[0], signal.SIGINT)
   t = time.monotonic()
-  try:
-    out, err = proc.communicate(timeout=90)
-  except subprocess.TimeoutExpired:   # the processes run in their own sessions
-    for pid in [proc.pid, *children]:
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-    raise
+  out, err = _communicate_or_kill(proc, children, 90)
   assert time.monotonic() - t < 60, err[-3000:]
   assert proc.returncode == 130, err[-3000:]
   assert "process 0 was interrupted; stopped the other 1 process(es)" in err, err[-3000:]
