@@ -170,19 +170,7 @@ def test_ctrl_c_stops_every_process_once_with_one_line(tmp_path):
   sessions and forwards it; a second would abandon a save), stops as a lone
   process does, and the job exits 130 with one line from process 0 naming
   the checkpoint to resume."""
-  old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal
-  try:
-    proc = train(tmp_path, "int", procs=2, steps=100000, wait=False,
-                 session=True)          # its own process group, as a shell job
-  finally:
-    signal.signal(signal.SIGINT, old)
-  ckpt = tmp_path / "int" / "checkpoints"
-  deadline = time.monotonic() + 240
-  while not (ckpt / "2").is_dir():
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
-  children = [_child(proc.pid, i) for i in range(2)]
+  proc, ckpt, children = _running_job(tmp_path, "int")
   os.killpg(proc.pid, signal.SIGINT)        # what the terminal's Ctrl-C does
   out, err = _communicate_or_kill(proc, children, 120)
   assert proc.returncode == 130, err[-3000:]
@@ -212,6 +200,25 @@ def _child(launcher_pid: int, process_id: int) -> int:
   raise AssertionError(f"no child with --process_id {process_id}")
 
 
+def _running_job(tmp_path, out):
+  """A 2-process job in its own process group (as a shell job), SIGINT not
+  ignored (as from a terminal; a CI background job ignores it and children
+  inherit that), once its step-2 checkpoint is committed: (launcher process,
+  checkpoint dir, the two training processes' pids)."""
+  old = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    proc = train(tmp_path, out, procs=2, steps=100000, wait=False, session=True)
+  finally:
+    signal.signal(signal.SIGINT, old)
+  ckpt = tmp_path / out / "checkpoints"
+  deadline = time.monotonic() + 240
+  while not (ckpt / "2").is_dir():
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  return proc, ckpt, [_child(proc.pid, i) for i in range(2)]
+
+
 def _communicate_or_kill(proc, children, timeout):
   """A hung job fails the test without leaving its processes running (they
   run in their own sessions: a kill of the launcher's group misses them)."""
@@ -234,14 +241,7 @@ def test_ctrl_c_to_one_process_ends_the_job_while_another_is_in_a_step(tmp_path)
   (jax.distributed's shutdown waits up to 5 minutes for everyone: it hung
   there next). It says where the run stands and leaves within ~15 s; the
   launcher stops process 1 and exits 130."""
-  proc = train(tmp_path, "one", procs=2, steps=100000, wait=False, session=True)
-  ckpt = tmp_path / "one" / "checkpoints"
-  deadline = time.monotonic() + 240
-  while not (ckpt / "2").is_dir():
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
-  children = [_child(proc.pid, i) for i in range(2)]
+  proc, ckpt, children = _running_job(tmp_path, "one")
   os.kill(children[0], signal.SIGINT)
   t = time.monotonic()
   out, err = _communicate_or_kill(proc, children, 90)
