@@ -6,11 +6,27 @@ every process as it stops a lone one (exit 130)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+
+# Set in each process's environment: a process that stopped after a Ctrl-C
+# while another is blocked in a step it will never join sends SIGUSR1 here,
+# and the launcher ends every process at once (the blocked one cannot stop
+# itself; left to fail when its peer goes, it prints pages of C++ errors).
+LAUNCHER_PID = "ZERO1_LAUNCHER_PID"
+
+
+class _Blocked(Exception):
+  """SIGUSR1 from a process: another one is blocked in a step."""
+
+
+def _blocked(signum, frame):
+  del signum, frame
+  raise _Blocked
 
 
 def free_port() -> int:
@@ -20,9 +36,10 @@ def free_port() -> int:
 
 
 def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+  """SIGTERM, then SIGKILL after ``grace`` seconds (at once if 0)."""
   for p in procs:
     if p.poll() is None:
-      p.terminate()
+      p.kill() if grace <= 0 else p.terminate()
   deadline = time.monotonic() + grace
   for p in procs:
     try:
@@ -37,19 +54,30 @@ def launch_local(module: str, argv: list[str], num_processes: int,
   """Runs ``python -m module argv --process_id i --coordinator_address ...``
   for i in range(num_processes); returns the job's exit code."""
   address = f"127.0.0.1:{free_port()}"
+  env = {**os.environ, LAUNCHER_PID: str(os.getpid())}
+  old = signal.signal(signal.SIGUSR1, _blocked)
   # Each in its own session: a Ctrl-C reaches the launcher alone, which hands
   # exactly one SIGINT to every process (a second one would abandon a save).
   procs = [subprocess.Popen([sys.executable, "-m", module, *argv,
                              "--process_id", str(i),
                              "--coordinator_address", address],
-                            start_new_session=True)
+                            start_new_session=True, env=env)
            for i in range(num_processes)]
   try:
-    return _watch(procs, prog)
-  except KeyboardInterrupt:
-    return _interrupt(procs, prog)
+    try:
+      return _watch(procs, prog)
+    except KeyboardInterrupt:
+      return _interrupt(procs, prog)
+  except _Blocked:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)   # the others may send it too
+    _stop(procs, grace=0.0)
+    print(f"{prog}: stopped the process(es) still blocked in a step after "
+          f"the Ctrl-C", file=sys.stderr)
+    return 130
   finally:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     _stop(procs)
+    signal.signal(signal.SIGUSR1, old)
 
 
 def _watch(procs: list[subprocess.Popen], prog: str) -> int:

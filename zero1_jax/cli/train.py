@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -336,10 +337,18 @@ def _leave_after_interrupt() -> None:
   does, for up to five minutes) may never happen. Leave without it; the
   launcher, or the runtime's heartbeat, stops the blocked one."""
   from zero1_jax import distributed
+  from zero1_jax.cli import launch
   if not distributed.leave(timeout_s=15.0):
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
+    launcher = os.environ.get(launch.LAUNCHER_PID)
+    if launcher:   # it stops every process at once, this one included
+      try:
+        os.kill(int(launcher), signal.SIGUSR1)
+        time.sleep(10)
+      except (OSError, ValueError):
+        pass
     os._exit(130)
 
 
