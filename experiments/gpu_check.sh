@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The benchmark of experiments/bench.py on one real GPU (N = 1), plus the
-# bandwidth an Adam update reaches against the HBM roofline. About 3-5 minutes
-# on one H200; writes bench.json, tables.md, plots and overlap.txt to $OUT (the device
-# tool's output folder) or experiments/results/gpu.
+# zero1_jax on one real GPU (N = 1): first the numerical checks
+# (experiments/gpu_exact.py: ZeRO-1/2 against unsharded optax in fp32, bf16,
+# fp16, with clipping, accumulation and both reduce paths) and the README's
+# zero1-train command (fp16, dynamic loss scale) saved and resumed; then the
+# benchmark of experiments/bench.py and the bandwidth an Adam update reaches
+# against the HBM roofline. About 6-8 minutes on one H200; writes
+# gpu_check.log, bench.json, tables.md, plots and overlap.txt (7 files) to
+# $OUT (the device tool's output folder) or experiments/results/gpu.
 #
 #   bash experiments/gpu_check.sh                 # on a machine with a GPU
 #   HBM_TB_S=3.35 bash experiments/gpu_check.sh   # H100 SXM roofline
@@ -12,9 +16,12 @@
 # At N = 1 there is no communication: ZeRO-1/DDP measures what ZeRO-1's
 # packing, fp32 master and grad-norm cost on one device, and the memory
 # section shows the fp32-master overhead (12 Psi on one device, as DDP).
-set -euo pipefail
+# A phase that fails is reported in the log and the next one still runs;
+# the exit status is 1 if any failed.
+set -uo pipefail
+FAILED=0
 cd "$(dirname "$0")/.."
-if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python; fi
+if [ -x .venv/bin/python ]; then PY=.venv/bin/python; elif command -v python3 >/dev/null; then PY=python3; else PY=python; fi
 OUT_DIR="${OUT:-experiments/results/gpu}"
 mkdir -p "$OUT_DIR"
 HBM_TB_S="${HBM_TB_S:-4.8}"   # H200 SXM: 4.8 TB/s
@@ -27,14 +34,32 @@ overlap_step() {
     2>&1 | grep -v -i "warning" | tee "$OUT_DIR/overlap.txt"
 }
 
+# ZeRO-1/2 against optax, then zero1-train saved at step STEPS/2 and resumed.
+correctness() {
+  local steps="$1"
+  {
+    local failed=0
+    timeout 300 "$PY" -m experiments.gpu_exact || { echo "gpu_check: gpu_exact FAILED"; failed=1; }
+    local run="$PY -m zero1_jax.cli.train --num_devices 1 --deepspeed experiments/configs/ds_zero_stage1.json --model_name_or_path bert-tiny --per_device_train_batch_size 32 --save_steps $((steps / 2)) --output_dir /tmp/z1_gpu_cli"
+    echo "zero1-train on $("$PY" -c 'import jax; print(jax.devices()[0].device_kind)'), fp16, saved at step $((steps / 2)), resumed to $steps:"
+    timeout 300 $run --max_steps $((steps / 2)) --overwrite_output_dir \
+      && timeout 300 $run --max_steps "$steps" --resume latest \
+      || { echo "gpu_check: zero1-train FAILED"; failed=1; }
+    tail -n 2 /tmp/z1_gpu_cli/metrics.jsonl 2>/dev/null
+    exit $failed
+  } 2>&1 | grep -v -i "warning" | tee "$OUT_DIR/gpu_check.log"
+}
+
 if [ "${GPU_CHECK_DRY:-0}" = "1" ]; then
+  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=1" correctness 4 || FAILED=1
   timeout 300 "$PY" -m experiments.bench --platform cpu --ns 1 \
     --sections state,memory,speed,adam_bw --state-size xxs --speed-sizes xxs,xs \
     --ratio-sizes xxs,xs --seq-len 16 --global-batch 4 --per-device-batch 4 \
-    --speed-budget 2 --adam-bw-psi 1048576 --hbm-tb-s "$HBM_TB_S" --out "$OUT_DIR"
+    --speed-budget 2 --adam-bw-psi 1048576 --hbm-tb-s "$HBM_TB_S" --out "$OUT_DIR" \
+    || FAILED=1
   JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8" \
-    overlap_step xxs 16 8
-  exit 0
+    overlap_step xxs 16 8 || FAILED=1
+  exit $FAILED
 fi
 
 "$PY" - <<'EOF'
@@ -44,7 +69,10 @@ print("backend:", b, jax.devices())
 if b != "gpu":
   sys.exit("gpu_check: jax has no GPU backend here (install jax[cuda12]); nothing measured")
 EOF
+[ $? = 0 ] || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
+
+correctness 40 || FAILED=1
 
 # bert-small (~29M params with the 260-byte vocabulary) and bert-base (~86M),
 # 32 x 128 tokens per step; Adam bandwidth on 256M fp32 parameters.
@@ -53,6 +81,8 @@ timeout 290 "$PY" -m experiments.bench --platform gpu --ns 1 \
   --speed-sizes bert-small,bert-base --ratio-sizes bert-small,bert-base \
   --seq-len 128 --global-batch 32 --per-device-batch 32 --speed-budget 20 \
   --adam-bw-psi 268435456 --hbm-tb-s "$HBM_TB_S" --out "$OUT_DIR" \
-  2>&1 | grep -v -i "warning" | tee "$OUT_DIR/gpu_check.log"
+  2>&1 | grep -v -i "warning" | tee -a "$OUT_DIR/gpu_check.log" \
+  || { echo "gpu_check: bench FAILED"; FAILED=1; }
 
-overlap_step bert-small 128 32
+overlap_step bert-small 128 32 || FAILED=1
+exit $FAILED
