@@ -87,6 +87,8 @@ def sharded(make, inner, p0, bs, mesh, accum=1, **kw):
 
 
 def rel_err(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want), (
+      jax.tree.structure(got), jax.tree.structure(want))
   return max(float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))))
              / max(float(np.max(np.abs(np.asarray(w, np.float64)))), 1e-30)
              for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
