@@ -88,7 +88,7 @@ def test_collective_bytes_and_count(compiled):
 
 
 def test_step_memory_is_params_grads_and_sharded_state(compiled):
-  n, c, s = compiled["n"], compiled["c"], compiled["s"]
+  c, s = compiled["c"], compiled["s"]
   mem = z1.inspect.memory(c)
   params_b = grads_b = 4 * PSI
   state_b = z1.inspect.device_bytes(s)

@@ -10,7 +10,6 @@ the norm or a lost update is off by 1e-3 or more.
 
 from __future__ import annotations
 
-import math
 
 import flax.linen as nn
 import jax

@@ -22,16 +22,16 @@ shard by shard by the devices that own it), ``meta`` (JSON manifest: N, every
 leaf's path, shape, dtype and shard dim, and ``config``) and ``extra`` (the
 caller's JSON). See ``docs/checkpoint.md`` and :mod:`zero1_jax.checkpoint.reshard`.
 
-A step is loaded only once committed: orbax writes into a temporary directory
-and renames it (or, on object stores, writes ``commit_success.txt`` last);
-steps without a commit marker are never listed or loaded.
+A step is loaded only once committed (:mod:`.steps`): orbax writes into a
+temporary directory and renames it (or, on object stores, writes
+``commit_success.txt`` last); steps without a commit marker are never listed
+or loaded.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 from typing import Any
 
@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zero1_jax.checkpoint import lifecycle, reshard
+from zero1_jax.checkpoint import lifecycle, reshard, steps
 from zero1_jax.checkpoint.reshard import (CheckpointError, CheckpointMismatchError,
                                           CheckpointSaveError,
                                           UnreadableCheckpointError)
@@ -51,7 +51,6 @@ __all__ = ["Checkpointer", "CheckpointError", "CheckpointMismatchError",
 
 log = logging.getLogger(__name__)
 
-_COMMIT = "commit_success.txt"
 _FILES = "zero1_files.json"      # every file of a committed step and its size
 _REQUIRED = {"params": "_METADATA", "state": "_METADATA", "meta": "metadata",
              "extra": "metadata"}
@@ -84,36 +83,6 @@ def quiet_failed_reads() -> None:
     f = lambda r: not _noise(r)
     f.__wrapped__ = _noise
     aio.addFilter(f)
-
-
-def committed_steps(directory) -> list[int]:
-  """The committed steps in ``directory``, oldest first, read from the
-  directory alone: no orbax manager, so no collective. A process can call it
-  while the others of its job are busy, or gone (after a Ctrl-C).
-
-  Example::
-
-    committed_steps("out/checkpoints")     # [2, 4, 6]; [] when there is none
-  """
-  return sorted(s for s, p in _step_dirs(lifecycle.absolute(directory)).items()
-                if _committed(p))
-
-
-def _step_dirs(directory: epath.Path) -> dict[int, epath.Path]:
-  if not directory.is_dir():
-    return {}
-  return {int(p.name): p for p in directory.iterdir()
-          if re.fullmatch(r"\d+", p.name) and p.is_dir()}
-
-
-def _committed(path: epath.Path) -> bool:
-  if (path / _COMMIT).exists():
-    return True
-  try:   # orbax records the commit time in the step metadata at finalize
-    meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
-    return meta.get("commit_timestamp_nsecs") is not None
-  except (OSError, ValueError):
-    return False
 
 
 class Checkpointer:
@@ -166,7 +135,7 @@ class Checkpointer:
 
   def all_steps(self) -> list[int]:
     """Committed steps, oldest first (unfinished saves are never listed)."""
-    return committed_steps(self.directory)
+    return steps.committed_steps(self.directory)
 
   def latest_step(self) -> int | None:
     steps = self.all_steps()
@@ -194,7 +163,7 @@ class Checkpointer:
     extra = reshard.jsonable(extra or {}, "extra")
     meta = reshard.manifest(params, opt_state, reshard.jsonable(config, "config"))
     self.wait()              # an earlier save's failure surfaces here
-    if step in _step_dirs(self.directory):
+    if step in steps.step_dirs(self.directory):
       if not force:
         raise CheckpointError(f"zero1 checkpoint: step {step} already exists "
                               f"in {self.directory} (pass force=True to "
@@ -237,7 +206,7 @@ class Checkpointer:
       path = self.directory / str(step)
       if not path.is_dir():      # removed by max_to_keep
         self._unrecorded.discard(step)
-      elif _committed(path):
+      elif steps.is_committed(path):
         if jax.process_index() == 0:
           tmp = path / (_FILES + ".tmp")
           tmp.write_text(json.dumps(reshard.files_of(path, _FILES), indent=0))
@@ -284,7 +253,7 @@ class Checkpointer:
 
   def _step_path(self, step: int) -> epath.Path:
     """The committed, complete directory of ``step``, else a clear error."""
-    path = _step_dirs(self.directory).get(step)
+    path = steps.step_dirs(self.directory).get(step)
     where = f"zero1 checkpoint: step {step} in {self.directory}"
     if path is None:
       tmp = [p.name for p in self.directory.iterdir()
@@ -295,9 +264,9 @@ class Checkpointer:
             f"{where} is an unfinished save ({tmp[0]}); it is never loaded")
       raise UnreadableCheckpointError(
           f"{where} not found (committed steps: {self.all_steps()})")
-    if not _committed(path):
+    if not steps.is_committed(path):
       raise UnreadableCheckpointError(
-          f"{where} was never committed (no {step}/{_COMMIT}): an interrupted "
+          f"{where} was never committed (no {step}/{steps.COMMIT}): an interrupted "
           f"save; it is never loaded")
     for item, name in _REQUIRED.items():
       if not (path / item / name).exists():
@@ -411,7 +380,7 @@ class Checkpointer:
     self.wait()
     if not fallback_to_valid:
       return self._restore_one(self._resolve(step), tx, params_template, mesh)
-    dirs = _step_dirs(self.directory)
+    dirs = steps.step_dirs(self.directory)
     top = int(step) if step is not None else max(dirs, default=None)
     if top is None:
       raise UnreadableCheckpointError(

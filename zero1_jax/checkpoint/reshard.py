@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from zero1_jax.core import param_axes as pax
