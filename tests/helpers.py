@@ -3,6 +3,7 @@ meshes, and the two references (unsharded optax, plain data parallel)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 IN, OUT = 5, 3
@@ -244,3 +246,27 @@ def assert_ulps(got, want, max_ulps, what=""):
   err = ulps(got, want, what)
   _log_measured(what + "(ulps)", max_ulps, err)
   assert err <= max_ulps, f"{what}{err:g} ulps > {max_ulps:g}"
+
+
+@pytest.fixture(autouse=True)
+def fresh_ds_notes():
+  """DeepSpeed config info lines are logged once per process; each test
+  starts afresh (import this into a test module to use it)."""
+  from zero1_jax.deepspeed import config as _config
+  _config._NOTED.clear()
+
+
+def load(d, ws=1, **over):
+  """``load_config`` of a copy of ``d`` with top-level keys ``over`` replaced."""
+  from zero1_jax.deepspeed.config import load_config
+  return load_config({**copy.deepcopy(d), **over}, world_size=ws)
+
+
+def config_error(d, *needles, ws=1) -> str:
+  """The ConfigError ``load(d, ws)`` raises; each of ``needles`` is in it."""
+  from zero1_jax.deepspeed.schema import ConfigError
+  with pytest.raises(ConfigError) as e:
+    load(d, ws)
+  for n in needles:
+    assert n in str(e.value), (n, str(e.value))
+  return str(e.value)
