@@ -189,6 +189,21 @@ def loss_text(summary: dict) -> str:
   return f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}"
 
 
+class _StderrHandler(logging.StreamHandler):
+  """Writes to whatever ``sys.stderr`` is when a line is emitted, not the
+  stream of the first call (a caller that swaps or closes stderr, as pytest's
+  capture does between tests, would otherwise get 'I/O operation on closed
+  file' logging errors from a later run in the same process)."""
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, _):
+    pass
+
+
 def setup_logging() -> None:
   """INFO lines from zero1_jax (config notes), warnings from everything.
   INFO lines are held back until :func:`release_notes` (once every check
@@ -199,7 +214,7 @@ def setup_logging() -> None:
   for h in list(log.handlers):
     if getattr(h, "_zero1", False):
       log.removeHandler(h)
-  out = logging.StreamHandler()
+  out = _StderrHandler()
   out.setFormatter(logging.Formatter("[zero1_jax] %(message)s"))
   held = logging.handlers.MemoryHandler(10_000, logging.WARNING, out,
                                         flushOnClose=False)

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from zero1_jax.cli import common, interrupt, memory, rundir
+from zero1_jax.cli import common, hf_auto, interrupt, memory, rundir
 
 log = logging.getLogger("zero1_jax")
 
@@ -37,6 +37,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--gradient_accumulation_steps", type=int, default=None)
   p.add_argument("--train_batch_size", type=int, default=None)
   p.add_argument("--learning_rate", type=float, default=None)
+  p.add_argument("--warmup_steps", type=int, default=None,
+                 help="fills scheduler.params.warmup_num_steps='auto' (as the "
+                 "HF Trainer does)")
+  p.add_argument("--fp16", action="store_const", const=True, default=None,
+                 help="fp16 on (sets fp16.enabled; fills an 'auto' there)")
+  p.add_argument("--bf16", action="store_const", const=True, default=None,
+                 help="bf16 on (sets bf16.enabled; fills an 'auto' there)")
   p.add_argument("--max_steps", type=int, default=100,
                  help="optimizer steps to run")
   p.add_argument("--seq_len", type=int, default=128)
@@ -79,12 +86,44 @@ _BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps",
                 "train_batch_size")
 
 
-def _load_config(zconfig, path: str, world_size: int, flags: dict):
-  """The JSON with the command-line flags applied, validated once: an error
-  names the numbers the flags gave (not the JSON's alone), and the config's
-  notes are printed only once it is valid."""
-  if all(v is None for v in flags.values()):
+def _load_config(zconfig, path: str, world_size: int, flags: dict, *,
+                 max_steps: int, hidden_size):
+  """The JSON with its "auto" values filled as the HF Trainer fills them
+  (:mod:`.hf_auto`) and the command-line flags applied, validated once: an
+  error names the numbers the flags gave (not the JSON's alone), and the
+  config's notes are printed only once it is valid. ``hidden_size()``: the
+  model's, for an "auto" reduce_bucket_size."""
+  raw = _read_json(path)
+  warmup = flags.pop("warmup_steps", None)
+  if warmup is not None:
+    sched = (raw or {}).get("scheduler") if isinstance(raw, dict) else None
+    now = ((sched or {}).get("params") or {}).get("warmup_num_steps", "unset")
+    if now != "auto" and now != warmup:
+      has = "none" if now == "unset" else repr(now)
+      raise common.UsageError(
+          f"--warmup_steps {warmup} fills scheduler.params.warmup_num_steps="
+          f"'auto', but {path} has {has} there: set it in the JSON instead "
+          "(or make it 'auto')")
+  if isinstance(raw, dict) and hf_auto.has_auto(raw):
+    try:
+      filled = hf_auto.fill(raw, flags=dict(flags, warmup_steps=warmup),
+                            max_steps=max_steps, hidden_size=hidden_size())
+    except ValueError as e:
+      raise common.UsageError(f"{path}: {e}") from None
+    if filled:
+      log.info("'auto' in the config, filled as the HF Trainer "
+               "does: %s", "; ".join(filled))
+  elif all(v is None for v in flags.values()):
     return zconfig.load_config(path, world_size=world_size)
+  if not isinstance(raw, dict):   # load_config says what is wrong with it
+    return zconfig.load_config(path, world_size=world_size)
+  stub = zconfig.DeepSpeedConfig(1, 1, 1, world_size, raw=raw, source=path)
+  return stub.with_overrides(**flags)
+
+
+def _read_json(path: str):
+  """The JSON object in ``path``, or None when it cannot be read (then
+  ``load_config`` names the problem)."""
 
   def pairs(kv):
     if len({k for k, _ in kv}) != len(kv):
@@ -93,13 +132,9 @@ def _load_config(zconfig, path: str, world_size: int, flags: dict):
 
   try:
     with open(path, encoding="utf-8") as f:
-      raw = json.load(f, object_pairs_hook=pairs)
+      return json.load(f, object_pairs_hook=pairs)
   except (OSError, ValueError):
-    raw = None
-  if not isinstance(raw, dict):   # load_config says what is wrong with it
-    return zconfig.load_config(path, world_size=world_size)
-  stub = zconfig.DeepSpeedConfig(1, 1, 1, world_size, raw=raw, source=path)
-  return stub.with_overrides(**flags)
+    return None
 
 
 def _resume_step(args, ckpt_dir: str) -> bool:
@@ -151,7 +186,12 @@ def _setup(args):
   cfg = _load_config(zconfig, args.deepspeed, mesh.shape["data"], dict(
       train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
       gradient_accumulation_steps=args.gradient_accumulation_steps,
-      train_batch_size=args.train_batch_size, lr=args.learning_rate))
+      train_batch_size=args.train_batch_size, lr=args.learning_rate,
+      fp16=args.fp16, bf16=args.bf16, warmup_steps=args.warmup_steps),
+      max_steps=args.max_steps,
+      hidden_size=lambda: bert.make_config(
+          args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
+          max_len=args.seq_len).hidden_size)
   dtype = zengine.compute_dtype(cfg) or jax.numpy.float32
   mcfg = bert.make_config(args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
                           max_len=args.seq_len, dtype=dtype)

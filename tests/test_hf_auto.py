@@ -1,0 +1,138 @@
+"""``"auto"`` in a DeepSpeed JSON (the HF Trainer's configs): zero1-train fills
+each one as transformers' ``HfTrainerDeepSpeedConfig`` does, from the flag when
+given, else from ``TrainingArguments``' default; the library's own
+``load_config`` keeps DeepSpeed's rule (an error)."""
+
+import copy
+import json
+import logging
+
+import pytest
+
+from zero1_jax.cli import hf_auto, train
+from zero1_jax.deepspeed.config import load_config
+from zero1_jax.deepspeed.schema import ConfigError
+
+# An HF-Trainer style config, as the transformers docs print it for ZeRO-1/2.
+HF_CONFIG = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto",
+                                              "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_scatter": True,
+                          "reduce_bucket_size": "auto", "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+}
+NO_FLAGS = dict(train_micro_batch_size_per_gpu=None, gradient_accumulation_steps=None,
+                train_batch_size=None, lr=None, fp16=None, bf16=None, warmup_steps=3)
+
+
+def filled(flags=None, ws=2, raw=None, **kw):
+  raw = copy.deepcopy(raw or HF_CONFIG)
+  notes = hf_auto.fill(raw, flags={**NO_FLAGS, **(flags or {})}, max_steps=50,
+                       hidden_size=kw.get("hidden_size", 128))
+  assert not hf_auto.has_auto(raw), raw
+  return load_config(raw, world_size=ws), raw, notes
+
+
+def test_the_library_keeps_deepspeeds_rule():
+  with pytest.raises(ConfigError, match="HF Trainer"):
+    load_config(HF_CONFIG, world_size=2)
+
+
+def test_every_auto_takes_the_hf_trainer_default():
+  cfg, raw, notes = filled()
+  # TrainingArguments defaults: per_device_train_batch_size 8, accumulation 1,
+  # max_grad_norm 1.0, learning_rate 5e-5, betas (0.9, 0.999), eps 1e-8,
+  # weight_decay 0.0, fp16 False; warmup_min_lr 0, warmup_max_lr = lr.
+  assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+          cfg.train_batch_size) == (8, 1, 16)
+  assert cfg.gradient_clipping == 1.0
+  assert raw["optimizer"]["params"] == {"lr": 5e-5, "betas": [0.9, 0.999],
+                                        "eps": 1e-8, "weight_decay": 0.0}
+  assert raw["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 5e-5,
+                                        "warmup_num_steps": 3}
+  assert raw["fp16"]["enabled"] is False
+  assert raw["zero_optimization"]["reduce_bucket_size"] == 128 * 128   # hidden^2
+  assert cfg.zero.reduce_bucket_size == 128 * 128
+  assert any(n.startswith("gradient_clipping=1.0 (HF default max_grad_norm)")
+             for n in notes)
+
+
+def test_flags_fill_their_autos():
+  cfg, raw, _ = filled(dict(train_micro_batch_size_per_gpu=4,
+                            gradient_accumulation_steps=2, lr=1e-3, fp16=True), ws=4)
+  assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+          cfg.train_batch_size) == (4, 2, 32)
+  assert raw["optimizer"]["params"]["lr"] == 1e-3
+  assert raw["scheduler"]["params"]["warmup_max_lr"] == 1e-3
+  assert raw["fp16"]["enabled"] is True
+
+
+def test_batch_autos_follow_deepspeeds_rule_from_what_is_given():
+  cfg, _, _ = filled(dict(train_batch_size=32), ws=4)   # micro derived: 32/4
+  assert (cfg.train_micro_batch_size_per_gpu, cfg.train_batch_size) == (8, 32)
+  explicit = dict(HF_CONFIG, train_batch_size=12)       # no flag: micro derived
+  cfg, _, _ = filled(raw=explicit, ws=2)
+  assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+          cfg.train_batch_size) == (6, 1, 12)
+
+
+def test_an_explicit_lr_drives_an_auto_warmup_max_lr():
+  raw = copy.deepcopy(HF_CONFIG)
+  raw["optimizer"]["params"]["lr"] = 2e-4
+  _, raw, _ = filled(raw=raw)
+  assert raw["scheduler"]["params"]["warmup_max_lr"] == 2e-4
+
+
+def test_auto_warmup_without_warmup_steps_names_the_flag():
+  with pytest.raises(ValueError, match="--warmup_steps N"):
+    filled(dict(warmup_steps=None))
+
+
+def test_a_config_without_auto_is_left_alone():
+  raw = {"train_batch_size": 8, "gradient_clipping": 0.5}
+  before = copy.deepcopy(raw)
+  assert hf_auto.fill(raw, flags=NO_FLAGS, max_steps=5, hidden_size=4) == []
+  assert raw == before
+
+
+# ------------------------------------------------------------------ the CLI
+def _cli(tmp_path, config, *extra):
+  path = tmp_path / "hf.json"
+  path.write_text(json.dumps(config))
+  return train.main(["--deepspeed", str(path), "--num_devices", "2",
+                     "--model_name_or_path", "bert-tiny", "--seq_len", "16",
+                     "--max_steps", "2", "--no_progress",
+                     "--output_dir", str(tmp_path / "out"), *extra])
+
+
+def test_zero1_train_runs_an_hf_config_and_says_what_it_filled(tmp_path, capsys, caplog):
+  caplog.set_level(logging.INFO, logger="zero1_jax")
+  assert _cli(tmp_path, HF_CONFIG, "--per_device_train_batch_size", "2",
+              "--warmup_steps", "1", "--learning_rate", "1e-4") == 0
+  used = json.load(open(tmp_path / "out" / "ds_config.json"))
+  assert used["train_batch_size"] == 4 and used["gradient_clipping"] == 1.0
+  assert used["optimizer"]["params"]["lr"] == 1e-4
+  assert used["scheduler"]["params"]["warmup_num_steps"] == 1
+  assert used["zero_optimization"]["reduce_bucket_size"] == 128 * 128   # bert-tiny
+  text = capsys.readouterr().err + caplog.text
+  assert "filled as the HF Trainer does" in text
+  assert "train_micro_batch_size_per_gpu=2 (flag)" in text
+
+
+@pytest.mark.parametrize("extra,message", [
+    ((), "Pass --warmup_steps N"),
+    (("--warmup_steps", "5"), "--warmup_steps 5 fills"),
+])
+def test_zero1_train_auto_errors_are_one_line(tmp_path, capsys, extra, message):
+  cfg = copy.deepcopy(HF_CONFIG)
+  if extra:
+    cfg["scheduler"]["params"]["warmup_num_steps"] = 10
+  assert _cli(tmp_path, cfg, *extra) == 2
+  err = capsys.readouterr().err
+  assert message in err and "Traceback" not in err, err
+  assert len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,132 @@
+"""``"auto"`` in a DeepSpeed JSON, filled the way the HF Trainer fills it.
+
+DeepSpeed itself rejects ``"auto"`` outside ``fp16``/``bf16``/
+``zero_optimization``; the HF Trainer replaces each one with its
+``TrainingArguments`` value before DeepSpeed sees the config
+(``transformers/integrations/deepspeed.py``, ``trainer_config_process`` and
+``trainer_config_finalize``). ``zero1-train`` takes HF-style flags, so it
+does the same: an ``"auto"`` takes the flag's value when the flag is given,
+otherwise the ``TrainingArguments`` default (:data:`HF_DEFAULTS`). The batch
+sizes HF would compute follow DeepSpeed's own rule instead
+(train_batch_size = micro batch x accumulation x data-parallel size), from
+whatever the flags and the JSON give.
+
+Example:
+  >>> raw = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+  ...        "gradient_clipping": "auto", "optimizer": {"type": "AdamW",
+  ...        "params": {"lr": "auto", "weight_decay": "auto"}}}
+  >>> filled = fill(raw, flags={"lr": 1e-4}, max_steps=100, hidden_size=128)
+  >>> raw["train_micro_batch_size_per_gpu"], "train_batch_size" in raw
+  (8, False)
+  >>> raw["gradient_clipping"], raw["optimizer"]["params"]
+  (1.0, {'lr': 0.0001, 'weight_decay': 0.0})
+  >>> filled[0]
+  'train_micro_batch_size_per_gpu=8 (HF default per_device_train_batch_size)'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# transformers.TrainingArguments defaults for the values DeepSpeed's "auto" takes.
+HF_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+               "max_grad_norm": 1.0, "learning_rate": 5e-5, "adam_beta1": 0.9,
+               "adam_beta2": 0.999, "adam_epsilon": 1e-8, "weight_decay": 0.0,
+               "fp16": False, "bf16": False}
+
+_BATCH = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+          "train_batch_size")
+
+
+def has_auto(node: Any) -> bool:
+  """Whether ``"auto"`` appears anywhere in the JSON value ``node``."""
+  if isinstance(node, dict):
+    return any(has_auto(v) for v in node.values())
+  if isinstance(node, list):
+    return any(has_auto(v) for v in node)
+  return node == "auto"
+
+
+def fill(raw: dict, *, flags: dict, max_steps: int, hidden_size: int) -> list[str]:
+  """Replaces the ``"auto"`` values of ``raw`` in place; returns one
+  ``key=value (source)`` line per value filled or key dropped.
+
+  ``flags``: the command line's values under their DeepSpeed names
+  (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+  ``train_batch_size``, ``lr``, ``fp16``, ``bf16``) and ``warmup_steps``;
+  None when not given. Raises ValueError for an 'auto' no value can fill.
+  """
+  done: list[str] = []
+
+  def put(node: dict, key: str, path: str, value, source: str) -> None:
+    if node.get(key) == "auto":
+      node[key] = value
+      done.append(f"{path}={value!r} ({source})")
+
+  # Batch triple: a given flag fills its own key; the other 'auto's are
+  # dropped so DeepSpeed derives them. With no batch flag and no
+  # train_batch_size in the JSON, the micro batch takes HF's default
+  # per_device_train_batch_size.
+  given = {k: flags.get(k) for k in _BATCH if flags.get(k) is not None}
+  for k in _BATCH:
+    if raw.get(k) == "auto" and k in given:
+      put(raw, k, k, given[k], "flag")
+  if not given and raw.get("train_batch_size") in (None, "auto"):
+    put(raw, _BATCH[0], _BATCH[0], HF_DEFAULTS["per_device_train_batch_size"],
+        "HF default per_device_train_batch_size")
+  derived = [k for k in _BATCH if raw.get(k) == "auto"]
+  for k in derived:
+    del raw[k]
+  if derived:
+    done.append(f"{' and '.join(derived)} derived by DeepSpeed's rule "
+                "(train_batch_size = micro batch x accumulation x devices)")
+
+  put(raw, "gradient_clipping", "gradient_clipping", HF_DEFAULTS["max_grad_norm"],
+      "HF default max_grad_norm")
+
+  opt = (raw.get("optimizer") or {}).get("params")
+  lr_flag = flags.get("lr")
+  lr = lr_flag if lr_flag is not None else HF_DEFAULTS["learning_rate"]
+  if isinstance(opt, dict):
+    src = "flag --learning_rate" if lr_flag is not None else "HF default learning_rate"
+    put(opt, "lr", "optimizer.params.lr", lr, src)
+    if isinstance(opt.get("lr"), (int, float)) and lr_flag is None:
+      lr = opt["lr"]     # warmup_max_lr below follows the optimizer's lr
+    put(opt, "betas", "optimizer.params.betas",
+        [HF_DEFAULTS["adam_beta1"], HF_DEFAULTS["adam_beta2"]],
+        "HF default adam_beta1, adam_beta2")
+    put(opt, "eps", "optimizer.params.eps", HF_DEFAULTS["adam_epsilon"],
+        "HF default adam_epsilon")
+    put(opt, "weight_decay", "optimizer.params.weight_decay",
+        HF_DEFAULTS["weight_decay"], "HF default weight_decay")
+
+  sched = (raw.get("scheduler") or {}).get("params")
+  if isinstance(sched, dict):
+    put(sched, "warmup_min_lr", "scheduler.params.warmup_min_lr", 0, "HF: 0")
+    put(sched, "warmup_max_lr", "scheduler.params.warmup_max_lr", lr,
+        "the optimizer's learning rate")
+    warmup = flags.get("warmup_steps")
+    if sched.get("warmup_num_steps") == "auto" and not warmup:
+      raise ValueError(
+          "scheduler.params.warmup_num_steps is 'auto': the HF Trainer fills it "
+          f"from --warmup_steps ({warmup or 0} here), and DeepSpeed rejects "
+          "0 (warmup_num_steps must be a positive integer). Pass "
+          "--warmup_steps N (N >= 1) or set warmup_num_steps in the JSON")
+    put(sched, "warmup_num_steps", "scheduler.params.warmup_num_steps", warmup,
+        "flag --warmup_steps")
+    put(sched, "total_num_steps", "scheduler.params.total_num_steps", max_steps,
+        "--max_steps")
+
+  for name in ("fp16", "bf16"):
+    section = raw.get(name)
+    if isinstance(section, dict):
+      flag = flags.get(name)
+      put(section, "enabled", f"{name}.enabled",
+          bool(flag) if flag is not None else HF_DEFAULTS[name],
+          f"flag --{name}" if flag is not None else f"HF default {name}")
+
+  zero = raw.get("zero_optimization")
+  if isinstance(zero, dict):
+    put(zero, "reduce_bucket_size", "zero_optimization.reduce_bucket_size",
+        hidden_size * hidden_size, "HF: hidden_size^2")
+  return done
