@@ -270,3 +270,18 @@ def config_error(d, *needles, ws=1) -> str:
   for n in needles:
     assert n in str(e.value), (n, str(e.value))
   return str(e.value)
+
+
+def train_cli(tmp_path, config: dict, *extra, num_devices: int = 2,
+              max_steps: int = 2) -> int:
+  """``zero1-train`` in this process on ``config`` (written to
+  tmp_path/ds.json): bert-tiny, 16 tokens, no progress bar, output in
+  tmp_path/out. Returns its exit status."""
+  import json
+  from zero1_jax.cli import train
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps(config))
+  return train.main(["--deepspeed", str(path), "--num_devices", str(num_devices),
+                     "--model_name_or_path", "bert-tiny", "--seq_len", "16",
+                     "--max_steps", str(max_steps), "--no_progress",
+                     "--output_dir", str(tmp_path / "out"), *extra])

@@ -9,9 +9,10 @@ import logging
 
 import pytest
 
-from zero1_jax.cli import hf_auto, train
+from zero1_jax.cli import hf_auto
 from zero1_jax.deepspeed.config import load_config
 from zero1_jax.deepspeed.schema import ConfigError
+from helpers import train_cli
 
 # An HF-Trainer style config, as the transformers docs print it for ZeRO-1/2.
 HF_CONFIG = {
@@ -102,12 +103,7 @@ def test_a_config_without_auto_is_left_alone():
 
 # ------------------------------------------------------------------ the CLI
 def _cli(tmp_path, config, *extra):
-  path = tmp_path / "hf.json"
-  path.write_text(json.dumps(config))
-  return train.main(["--deepspeed", str(path), "--num_devices", "2",
-                     "--model_name_or_path", "bert-tiny", "--seq_len", "16",
-                     "--max_steps", "2", "--no_progress",
-                     "--output_dir", str(tmp_path / "out"), *extra])
+  return train_cli(tmp_path, config, *extra, num_devices=2, max_steps=2)
 
 
 def test_zero1_train_runs_an_hf_config_and_says_what_it_filled(tmp_path, capsys, caplog):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from zero1_jax import inspect
-from zero1_jax.cli import train
+from helpers import train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED_JSON = os.path.join(ROOT, "experiments", "configs", "ds_zero_stage1.json")
@@ -48,12 +48,7 @@ def run_tiny(tmp_path, *extra, stage=1):
   cfg["zero_optimization"]["stage"] = stage
   cfg["train_batch_size"] = 8
   cfg["fp16"]["initial_scale_power"] = 8
-  path = tmp_path / "ds.json"
-  path.write_text(json.dumps(cfg))
-  return train.main(["--deepspeed", str(path), "--num_devices", "4",
-                     "--model_name_or_path", "bert-tiny", "--seq_len", "16",
-                     "--max_steps", "1", "--no_progress",
-                     "--output_dir", str(tmp_path / "out"), *extra])
+  return train_cli(tmp_path, cfg, *extra, num_devices=4, max_steps=1)
 
 
 def test_refusal_on_a_small_capacity(tmp_path, capsys, monkeypatch):
