@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from zero1_jax.cli import train
+from helpers import train_cli
 
 SEED_JSON = os.path.join(os.path.dirname(__file__), "..", "experiments",
                          "configs", "ds_zero_stage1.json")
@@ -122,3 +123,17 @@ def test_overlap_comm_turns_on_the_latency_hiding_scheduler(tmp_path, monkeypatc
   common.overlap_flags(SEED_JSON)                     # overlap_comm: true
   assert os.environ["XLA_FLAGS"].endswith(
       "--xla_gpu_enable_latency_hiding_scheduler=true")
+
+
+def test_own_warnings_are_one_line_each(tmp_path, capsys):
+  """A DeepSpeed key zero1_jax cannot honour warns in one line, without
+  Python's file:line and source-line noise."""
+  cfg = json.load(open(SEED_JSON))
+  cfg.update(train_batch_size=4, tensorboard={"enabled": True})
+  cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+  assert train_cli(tmp_path, cfg, max_steps=1) == 0
+  err = capsys.readouterr().err
+  lines = [l for l in err.splitlines() if "not honoured" in l]
+  assert len(lines) == 2, err
+  assert all(l.startswith("[zero1_jax] warning: ") for l in lines), err
+  assert "UserWarning" not in err and "config.py" not in err, err

@@ -8,6 +8,7 @@ import math
 import os
 import logging
 import sys
+import warnings
 from typing import Callable
 
 _GiB = 1024 ** 3
@@ -222,6 +223,30 @@ def setup_logging() -> None:
   log.addHandler(held)
   log.setLevel(logging.INFO)
   log.propagate = False
+  _one_line_own_warnings()
+
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _one_line_own_warnings() -> None:
+  """zero1_jax's own warnings (a DeepSpeed key not honoured, a Python that
+  saves synchronously) say everything in their message: print them as one
+  ``[zero1_jax] warning: ...`` line, not Python's two lines with this
+  package's file, line and source. Other packages' warnings keep Python's
+  format (their location is the useful part)."""
+  if getattr(warnings.showwarning, "_zero1", False):
+    return
+  default = warnings.showwarning
+
+  def show(message, category, filename, lineno, file=None, line=None):
+    if os.path.abspath(filename).startswith(_PKG_DIR + os.sep):
+      print(f"[zero1_jax] warning: {message}", file=file or sys.stderr, flush=True)
+    else:
+      default(message, category, filename, lineno, file, line)
+
+  show._zero1 = True
+  warnings.showwarning = show
 
 
 def drop_notes() -> None:
