@@ -109,10 +109,12 @@ def _cli(tmp_path, config, *extra):
 def test_zero1_train_runs_an_hf_config_and_says_what_it_filled(tmp_path, capsys, caplog):
   caplog.set_level(logging.INFO, logger="zero1_jax")
   assert _cli(tmp_path, HF_CONFIG, "--per_device_train_batch_size", "2",
-              "--warmup_steps", "1", "--learning_rate", "1e-4") == 0
+              "--warmup_steps", "1", "--learning_rate", "1e-4",
+              "--adam_beta2", "0.95", "--max_grad_norm", "0.5") == 0
   used = json.load(open(tmp_path / "out" / "ds_config.json"))
-  assert used["train_batch_size"] == 4 and used["gradient_clipping"] == 1.0
-  assert used["optimizer"]["params"]["lr"] == 1e-4
+  assert used["train_batch_size"] == 4 and used["gradient_clipping"] == 0.5
+  assert used["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.95],
+                                         "eps": 1e-8, "weight_decay": 0.0}
   assert used["scheduler"]["params"]["warmup_num_steps"] == 1
   assert used["zero_optimization"]["reduce_bucket_size"] == 128 * 128   # bert-tiny
   text = capsys.readouterr().err + caplog.text
@@ -132,3 +134,46 @@ def test_zero1_train_auto_errors_are_one_line(tmp_path, capsys, extra, message):
   err = capsys.readouterr().err
   assert message in err and "Traceback" not in err, err
   assert len(err.strip().splitlines()) == 1, err
+
+
+def test_hf_optimizer_flags_fill_their_autos():
+  _, raw, notes = filled({"gradient_clipping": 0.5, hf_auto.WEIGHT_DECAY: 0.1,
+                          hf_auto.EPS: 1e-6, hf_auto.BETAS: [0.9, 0.95]})
+  assert raw["gradient_clipping"] == 0.5
+  assert raw["optimizer"]["params"] == {"lr": 5e-5, "betas": [0.9, 0.95],
+                                        "eps": 1e-6, "weight_decay": 0.1}
+  assert "gradient_clipping=0.5 (flag)" in notes
+
+
+SEED = {"train_batch_size": 4, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 2e-5, "betas": [0.9, 0.999],
+                                                 "eps": 1e-8, "weight_decay": 0.01}}}
+
+
+@pytest.mark.parametrize("config,extra,message", [
+    (SEED, ("--weight_decay", "0.1"), "weight_decay=0.1 conflicts with "
+     "optimizer.params.weight_decay=0.01"),
+    (SEED, ("--adam_beta2", "0.95"), "conflicts with optimizer.params.betas=[0.9, 0.999]"),
+    (dict(SEED, gradient_clipping=1.0), ("--max_grad_norm", "0.5"),
+     "gradient_clipping=0.5 conflicts with gradient_clipping=1.0"),
+    ({"train_batch_size": 4}, ("--adam_epsilon", "1e-6"),
+     "--adam_epsilon set optimizer.params, but"),
+])
+def test_hf_flags_that_disagree_with_the_json_are_one_line_errors(
+    tmp_path, capsys, config, extra, message):
+  assert _cli(tmp_path, config, *extra) == 2
+  err = capsys.readouterr().err
+  assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_hf_flags_set_keys_the_json_leaves_out(tmp_path):
+  from zero1_jax.cli import config_flags
+  from zero1_jax.deepspeed import config as zconfig
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps(SEED))
+  flags = {k: None for k in NO_FLAGS}
+  flags.update(gradient_clipping=0.5, adam_beta1=None, adam_beta2=0.999)
+  cfg = config_flags.load(zconfig, str(path), 1, flags, max_steps=5,
+                           hidden_size=lambda: 16)
+  assert cfg.gradient_clipping == 0.5                       # DeepSpeed's default: 1.0
+  assert cfg.optimizer.params["betas"] == [0.9, 0.999]      # the JSON's, beta2 agreeing

@@ -34,6 +34,11 @@ HF_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 
                "adam_beta2": 0.999, "adam_epsilon": 1e-8, "weight_decay": 0.0,
                "fp16": False, "bf16": False}
 
+# with_overrides names of the optimizer flags (``__`` separates the path).
+WEIGHT_DECAY = "optimizer__params__weight_decay"
+EPS = "optimizer__params__eps"
+BETAS = "optimizer__params__betas"
+
 _BATCH = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
           "train_batch_size")
 
@@ -53,7 +58,8 @@ def fill(raw: dict, *, flags: dict, max_steps: int, hidden_size: int) -> list[st
 
   ``flags``: the command line's values under their DeepSpeed names
   (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
-  ``train_batch_size``, ``lr``, ``fp16``, ``bf16``) and ``warmup_steps``;
+  ``train_batch_size``, ``lr``, ``fp16``, ``bf16``, ``gradient_clipping``,
+  :data:`WEIGHT_DECAY`, :data:`EPS`, :data:`BETAS`) and ``warmup_steps``;
   None when not given. Raises ValueError for an 'auto' no value can fill.
   """
   done: list[str] = []
@@ -81,8 +87,13 @@ def fill(raw: dict, *, flags: dict, max_steps: int, hidden_size: int) -> list[st
     done.append(f"{' and '.join(derived)} derived by DeepSpeed's rule "
                 "(train_batch_size = micro batch x accumulation x devices)")
 
-  put(raw, "gradient_clipping", "gradient_clipping", HF_DEFAULTS["max_grad_norm"],
-      "HF default max_grad_norm")
+  def flag_or_default(flag: str, default: str):
+    if flags.get(flag) is not None:
+      return flags[flag], "flag"
+    return HF_DEFAULTS[default], f"HF default {default}"
+
+  put(raw, "gradient_clipping", "gradient_clipping",
+      *flag_or_default("gradient_clipping", "max_grad_norm"))
 
   opt = (raw.get("optimizer") or {}).get("params")
   lr_flag = flags.get("lr")
@@ -92,13 +103,14 @@ def fill(raw: dict, *, flags: dict, max_steps: int, hidden_size: int) -> list[st
     put(opt, "lr", "optimizer.params.lr", lr, src)
     if isinstance(opt.get("lr"), (int, float)) and lr_flag is None:
       lr = opt["lr"]     # warmup_max_lr below follows the optimizer's lr
+    if flags.get(BETAS) is not None:
+      put(opt, "betas", "optimizer.params.betas", flags[BETAS], "flags")
     put(opt, "betas", "optimizer.params.betas",
         [HF_DEFAULTS["adam_beta1"], HF_DEFAULTS["adam_beta2"]],
         "HF default adam_beta1, adam_beta2")
-    put(opt, "eps", "optimizer.params.eps", HF_DEFAULTS["adam_epsilon"],
-        "HF default adam_epsilon")
+    put(opt, "eps", "optimizer.params.eps", *flag_or_default(EPS, "adam_epsilon"))
     put(opt, "weight_decay", "optimizer.params.weight_decay",
-        HF_DEFAULTS["weight_decay"], "HF default weight_decay")
+        *flag_or_default(WEIGHT_DECAY, "weight_decay"))
 
   sched = (raw.get("scheduler") or {}).get("params")
   if isinstance(sched, dict):

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from zero1_jax.cli import common, hf_auto, interrupt, memory, rundir
+from zero1_jax.cli import common, config_flags, hf_auto, interrupt, memory, rundir
 
 log = logging.getLogger("zero1_jax")
 
@@ -37,6 +37,19 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--gradient_accumulation_steps", type=int, default=None)
   p.add_argument("--train_batch_size", type=int, default=None)
   p.add_argument("--learning_rate", type=float, default=None)
+  h = p.add_argument_group(
+      "HF Trainer flags", "each fills its key's 'auto' in the JSON, or sets "
+      "the key; a JSON value that differs is an error naming both")
+  h.add_argument("--max_grad_norm", type=float, default=None,
+                 help="gradient_clipping")
+  h.add_argument("--weight_decay", type=float, default=None,
+                 help="optimizer.params.weight_decay")
+  h.add_argument("--adam_beta1", type=float, default=None,
+                 help="optimizer.params.betas[0]")
+  h.add_argument("--adam_beta2", type=float, default=None,
+                 help="optimizer.params.betas[1]")
+  h.add_argument("--adam_epsilon", type=float, default=None,
+                 help="optimizer.params.eps")
   p.add_argument("--warmup_steps", type=int, default=None,
                  help="fills scheduler.params.warmup_num_steps='auto' (as the "
                  "HF Trainer does)")
@@ -80,61 +93,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   g.add_argument("--heartbeat_timeout", type=int, default=100, help="seconds "
                  "before a silent process makes the others fail")
   return p.parse_args(argv)
-
-
-_BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps",
-                "train_batch_size")
-
-
-def _load_config(zconfig, path: str, world_size: int, flags: dict, *,
-                 max_steps: int, hidden_size):
-  """The JSON with its "auto" values filled as the HF Trainer fills them
-  (:mod:`.hf_auto`) and the command-line flags applied, validated once: an
-  error names the numbers the flags gave (not the JSON's alone), and the
-  config's notes are printed only once it is valid. ``hidden_size()``: the
-  model's, for an "auto" reduce_bucket_size."""
-  raw = _read_json(path)
-  warmup = flags.pop("warmup_steps", None)
-  if warmup is not None:
-    sched = (raw or {}).get("scheduler") if isinstance(raw, dict) else None
-    now = ((sched or {}).get("params") or {}).get("warmup_num_steps", "unset")
-    if now != "auto" and now != warmup:
-      has = "none" if now == "unset" else repr(now)
-      raise common.UsageError(
-          f"--warmup_steps {warmup} fills scheduler.params.warmup_num_steps="
-          f"'auto', but {path} has {has} there: set it in the JSON instead "
-          "(or make it 'auto')")
-  if isinstance(raw, dict) and hf_auto.has_auto(raw):
-    try:
-      filled = hf_auto.fill(raw, flags=dict(flags, warmup_steps=warmup),
-                            max_steps=max_steps, hidden_size=hidden_size())
-    except ValueError as e:
-      raise common.UsageError(f"{path}: {e}") from None
-    if filled:
-      log.info("'auto' in the config, filled as the HF Trainer "
-               "does: %s", "; ".join(filled))
-  elif all(v is None for v in flags.values()):
-    return zconfig.load_config(path, world_size=world_size)
-  if not isinstance(raw, dict):   # load_config says what is wrong with it
-    return zconfig.load_config(path, world_size=world_size)
-  stub = zconfig.DeepSpeedConfig(1, 1, 1, world_size, raw=raw, source=path)
-  return stub.with_overrides(**flags)
-
-
-def _read_json(path: str):
-  """The JSON object in ``path``, or None when it cannot be read (then
-  ``load_config`` names the problem)."""
-
-  def pairs(kv):
-    if len({k for k, _ in kv}) != len(kv):
-      raise ValueError("duplicate keys")
-    return dict(kv)
-
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f, object_pairs_hook=pairs)
-  except (OSError, ValueError):
-    return None
 
 
 def _resume_step(args, ckpt_dir: str) -> bool:
@@ -183,11 +141,14 @@ def _setup(args):
   main = distributed.is_main_process()
   if not main:    # the config notes: once per job
     logging.getLogger("zero1_jax").setLevel(logging.WARNING)
-  cfg = _load_config(zconfig, args.deepspeed, mesh.shape["data"], dict(
+  cfg = config_flags.load(zconfig, args.deepspeed, mesh.shape["data"], dict(
       train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
       gradient_accumulation_steps=args.gradient_accumulation_steps,
       train_batch_size=args.train_batch_size, lr=args.learning_rate,
-      fp16=args.fp16, bf16=args.bf16, warmup_steps=args.warmup_steps),
+      fp16=args.fp16, bf16=args.bf16, warmup_steps=args.warmup_steps,
+      gradient_clipping=args.max_grad_norm, adam_beta1=args.adam_beta1,
+      adam_beta2=args.adam_beta2, **{hf_auto.WEIGHT_DECAY: args.weight_decay,
+                                     hf_auto.EPS: args.adam_epsilon}),
       max_steps=args.max_steps,
       hidden_size=lambda: bert.make_config(
           args.model_name_or_path, vocab_size=data.VOCAB_SIZE,

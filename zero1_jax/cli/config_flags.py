@@ -1,0 +1,82 @@
+"""zero1-train's flags applied to the DeepSpeed JSON: ``"auto"`` values filled
+as the HF Trainer fills them (:mod:`.hf_auto`), then each given flag set on
+top, a JSON value that differs being an error naming both
+(:meth:`DeepSpeedConfig.with_overrides`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from zero1_jax.cli import common, hf_auto
+
+log = logging.getLogger("zero1_jax")
+
+
+def load(zconfig, path: str, world_size: int, flags: dict, *, max_steps: int,
+         hidden_size):
+  """The JSON with its "auto" values filled as the HF Trainer fills them
+  (:mod:`.hf_auto`) and the command-line flags applied, validated once: an
+  error names the numbers the flags gave (not the JSON's alone), and the
+  config's notes are printed only once it is valid. ``hidden_size()``: the
+  model's, for an "auto" reduce_bucket_size."""
+  raw = read_json(path)
+  flags = dict(flags)
+  warmup = flags.pop("warmup_steps", None)
+  betas = (flags.pop("adam_beta1", None), flags.pop("adam_beta2", None))
+  if betas != (None, None):
+    now = ((((raw or {}).get("optimizer") or {}).get("params") or {}).get("betas")
+           if isinstance(raw, dict) else None)
+    base = list(now) if isinstance(now, list) and len(now) == 2 else [
+        hf_auto.HF_DEFAULTS["adam_beta1"], hf_auto.HF_DEFAULTS["adam_beta2"]]
+    flags[hf_auto.BETAS] = [b if b is not None else o for b, o in zip(betas, base)]
+  if warmup is not None:
+    sched = (raw or {}).get("scheduler") if isinstance(raw, dict) else None
+    now = ((sched or {}).get("params") or {}).get("warmup_num_steps", "unset")
+    if now != "auto" and now != warmup:
+      has = "none" if now == "unset" else repr(now)
+      raise common.UsageError(
+          f"--warmup_steps {warmup} fills scheduler.params.warmup_num_steps="
+          f"'auto', but {path} has {has} there: set it in the JSON instead "
+          "(or make it 'auto')")
+  given = [k for k, v in flags.items() if v is not None and k.startswith("optimizer__")]
+  if given and isinstance(raw, dict) and not isinstance(raw.get("optimizer"), dict):
+    raise common.UsageError(
+        f"{', '.join('--' + _FLAG_OF[k] for k in given)} set optimizer.params, "
+        f"but {path} has no optimizer section: add one (e.g. \"optimizer\": "
+        "{\"type\": \"AdamW\", \"params\": {...}}) or drop the flag")
+  if isinstance(raw, dict) and hf_auto.has_auto(raw):
+    try:
+      filled = hf_auto.fill(raw, flags=dict(flags, warmup_steps=warmup),
+                            max_steps=max_steps, hidden_size=hidden_size())
+    except ValueError as e:
+      raise common.UsageError(f"{path}: {e}") from None
+    if filled:
+      log.info("'auto' in the config, filled as the HF Trainer "
+               "does: %s", "; ".join(filled))
+  elif all(v is None for v in flags.values()):
+    return zconfig.load_config(path, world_size=world_size)
+  if not isinstance(raw, dict):   # load_config says what is wrong with it
+    return zconfig.load_config(path, world_size=world_size)
+  stub = zconfig.DeepSpeedConfig(1, 1, 1, world_size, raw=raw, source=path)
+  return stub.with_overrides(**flags)
+
+
+_FLAG_OF = {hf_auto.WEIGHT_DECAY: "weight_decay", hf_auto.EPS: "adam_epsilon",
+            hf_auto.BETAS: "adam_beta1/--adam_beta2"}
+
+
+def read_json(path: str):
+  """The JSON object in ``path``, or None when it cannot be read (then
+  ``load_config`` names the problem)."""
+
+  def pairs(kv):
+    if len({k for k, _ in kv}) != len(kv):
+      raise ValueError("duplicate keys")
+    return dict(kv)
+
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f, object_pairs_hook=pairs)
+  except (OSError, ValueError):
+    return None
