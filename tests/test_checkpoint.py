@@ -228,6 +228,16 @@ def test_export_cli(saved, tmp_path, capsys):
   err = capsys.readouterr().err
   assert rc == 1 and "step 99" in err and "not found" in err
   assert err.count("\n") == 1
+  # DeepSpeed's zero_to_fp32.py order: CHECKPOINT_DIR OUTPUT_DIR.
+  assert export_cli.main([str(saved.dir), str(tmp_path / "pos")]) == 0
+  assert_equal(float_part(zc.load_params(tmp_path / "pos")),
+               masters(*saved.at_save), "positional ")
+  for argv, needle in ((["--output_dir", str(tmp_path / "z")], "checkpoint dir is required"),
+                       ([str(saved.dir), "--checkpoint_dir", "other",
+                         "--output_dir", "o"], "disagree")):
+    with pytest.raises(SystemExit) as e:
+      export_cli.main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
   # The console script (or the module): one line, no traceback.
   script = os.path.join(os.path.dirname(sys.executable), "zero1-export")
   cmd = [script] if os.path.exists(script) else [

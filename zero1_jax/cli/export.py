@@ -2,6 +2,7 @@
 a plain parameter checkpoint (DeepSpeed's ``zero_to_fp32.py``).
 
   zero1-export --checkpoint_dir runs/ckpt --output_dir runs/fp32 [--step 1000]
+  zero1-export runs/ckpt runs/fp32      # positional, as zero_to_fp32.py takes them
 
 The output is an orbax PyTree checkpoint of the parameter tree:
 ``zero1_jax.checkpoint.load_params(out)`` or
@@ -20,9 +21,12 @@ def _parser() -> argparse.ArgumentParser:
       prog="zero1-export",
       description="Write the consolidated fp32 master weights of a zero1_jax "
                   "checkpoint as a plain orbax parameter checkpoint.")
-  p.add_argument("--checkpoint_dir", required=True,
+  p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT_DIR",
+                 help="as --checkpoint_dir (DeepSpeed's zero_to_fp32.py order)")
+  p.add_argument("output", nargs="?", metavar="OUTPUT_DIR", help="as --output_dir")
+  p.add_argument("--checkpoint_dir", default=None,
                  help="directory given to zero1_jax.checkpoint.Checkpointer")
-  p.add_argument("--output_dir", required=True,
+  p.add_argument("--output_dir", default=None,
                  help="new directory for the exported parameters")
   p.add_argument("--step", type=int, default=None,
                  help="step to export (default: the latest committed step)")
@@ -31,8 +35,22 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+  p = _parser()
+  args = p.parse_args(argv)
+  for name, pos in (("checkpoint_dir", "checkpoint"), ("output_dir", "output")):
+    flag, given = getattr(args, name), getattr(args, pos)
+    if flag is not None and given is not None and flag != given:
+      p.error(f"--{name} {flag} and the positional {given} disagree: give one")
+    if flag is None and given is None:
+      p.error(f"the {name.replace('_', ' ')} is required: zero1-export "
+              "CHECKPOINT_DIR OUTPUT_DIR (or --checkpoint_dir, --output_dir)")
+    setattr(args, name, flag if flag is not None else given)
+  return args
+
+
 def main(argv: list[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  args = _parse(argv)
   # orbax logs through absl at INFO/WARNING; keep the terminal to one line.
   logging.getLogger("absl").setLevel(logging.ERROR)
   try:
