@@ -271,6 +271,41 @@ def test_wrong_tree_in_update_names_the_path():
                           in_specs=(P(), specs), out_specs=(P(), specs)))(p, s)
 
 
+def test_update_refuses_gradients_jax_already_summed():
+  """Inside a shard_map that tracks varying axes (check_vma, its default),
+  jax.grad with respect to params that entered as P() psums the per-device
+  gradients. zero1 reducing them again would apply N times the mean gradient
+  (measured: every SGD update 4.0x optax's at N=4), so tx.update refuses
+  them and names the fix. With the params pcast to varying (the fix) the step
+  matches optax; with check_vma=False the gradients are local, untyped, and
+  also match (the SGD step has no tolerance for a factor of N)."""
+  n = 4
+  tx = z1.zero1(optax.sgd(0.05), axis_name="data")
+  params = float_part(odd_params())
+  specs = z1.specs.state_specs(tx, params, n)
+  b = batch(16)
+  placed = jax.device_put(b, NamedSharding(mesh(n), P("data")))
+  ref = optax_run(optax.sgd(0.05), params, [b])
+
+  def step(pcast, check_vma=True):
+    def per_device(p, s, b):
+      local = jax.lax.pcast(p, "data", to="varying") if pcast else p
+      u, s = tx.update(jax.grad(loss_fn)(local, b), s, p)
+      return optax.apply_updates(p, u), s
+    p, s = z1.init(tx, params, mesh(n))
+    return jax.jit(jax.shard_map(
+        per_device, mesh=mesh(n), in_specs=(P(), specs, P("data")),
+        out_specs=(P(), specs), check_vma=check_vma))(p, s, placed)[0]
+
+  with pytest.raises(ValueError, match=r"already reduced over 'data'.*"
+                     r"N times the mean gradient.*jax\.lax\.pcast\(params, "
+                     r"'data', to='varying'\)"):
+    step(pcast=False)
+  # 1 step of SGD: a few fp32 ulps from the 4-way vs 16-way gradient sum.
+  assert_close(step(pcast=True), ref, 1e-6, "pcast ")
+  assert_close(step(pcast=False, check_vma=False), ref, 1e-6, "check_vma=False ")
+
+
 def test_init_outside_shard_map_says_how():
   tx = z1.zero1(optax.adam(1e-3), axis_name="data")
   with pytest.raises(ValueError, match="inside shard_map.*z1.init"):

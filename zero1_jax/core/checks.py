@@ -113,3 +113,42 @@ def split_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
         f"{jnp.result_type(loss)}{list(jnp.shape(loss))}. Reduce it, e.g. "
         f"jnp.mean(per_example_loss)")
   return loss, aux
+
+
+def _manual_types(x) -> tuple[frozenset, frozenset]:
+  """(varying, unreduced) manual axes of ``x``'s type inside shard_map."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)   # jax 0.10 - 0.12
+  if mat is not None:
+    return frozenset(mat.varying), frozenset(mat.unreduced)
+  return frozenset(getattr(aval, "vma", ()) or ()), frozenset()
+
+
+def check_local_grads(grads, axis: str) -> None:
+  """Inside a ``shard_map`` that tracks varying axes (``check_vma=True``, its
+  default), ValueError if a float gradient is invariant over ``axis``: JAX has
+  already summed it over the devices, and reducing it again would apply N
+  times the mean gradient. Under ``check_vma=False`` nothing is typed and
+  nothing is checked."""
+  if axis not in _manual_types(jax.lax.axis_index(axis))[0]:
+    return   # check_vma=False: no types to read
+  summed = []
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    if not jnp.issubdtype(jnp.asarray(g).dtype, jnp.inexact):
+      continue
+    varying, unreduced = _manual_types(g)
+    if axis not in varying and axis not in unreduced:
+      summed.append(jax.tree_util.keystr(path) or "<root>")
+  if summed:
+    shown = ", ".join(summed[:3]) + (f" (+{len(summed) - 3} more)"
+                                     if len(summed) > 3 else "")
+    raise ValueError(
+        f"zero1: tx.update got gradients that are already reduced over "
+        f"'{axis}' (invariant: {shown}). Inside shard_map, jax.grad with "
+        f"respect to params that entered as P() sums the per-device "
+        f"gradients for you, and zero1 would reduce them again: the update "
+        f"would use N times the mean gradient. Differentiate with respect to "
+        f"a varying view so each device keeps its own gradient: "
+        f"`local = jax.lax.pcast(params, '{axis}', to='varying'); "
+        f"grads = jax.grad(loss)(local, batch)` (what z1.train_step does), "
+        f"or use z1.train_step.")

@@ -243,6 +243,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     p_leaves = jax.tree.leaves(params)
     g_leaves = (chk.check_shards(grads, layout) if pre_reduced
                 else chk.check_tree("grads", grads, layout))
+    if grads_are == jm.LOCAL and not pre_reduced:
+      chk.check_local_grads(grads, axis)
     scaler = _loss_scaler(cfg, params)
     comm = [jnp.dtype(cfg.reduce_dtype or g.dtype) for g in g_leaves]
     # tx.config, not cfg: zero2() sets the stage after this closure was made.
