@@ -75,7 +75,7 @@ def test_stage2_config_trains(tmp_path, capsys):
 @pytest.mark.parametrize("extra,cfg_edit,message", [
     ([], None, "Check batch related parameters"),   # 32 != 2 x 1 x 4
     ([], {"train_batch_size": 30}, "30 != 2 * 1 * 4"),   # the flag's micro-batch 2, not 30 // 4 = 7
-    (["--train_batch_size", "16"], None, "conflicts with train_batch_size=32"),
+    (["--train_batch_size", "16"], None, "--train_batch_size 16 conflicts with train_batch_size=32"),
     ([], {"optimizer": {"type": "Adamm", "params": {}}}, "Adamm"),
     ([], {"bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled"),
     (["--num_devices", "64"], None, "--num_devices 64 but only 8"),

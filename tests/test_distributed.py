@@ -10,6 +10,7 @@ two layouts, and a dead process stops the job within a bounded time instead of h
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -76,6 +77,13 @@ def test_two_processes_train_like_one_process_with_four_devices(runs):
   assert two.stdout.count("weights start random") == 1     # process 0 only
   for r in range(4):                                         # every rank logs
     assert f"[Rank {r}] After : optimizer state" in two.stdout
+    assert f"[Rank {r}] Estimate: step needs" in two.stdout
+  # the host's RAM is shared by the 2 x 2 simulated devices of both processes
+  # (the launcher says how many share it): each rank's capacity is the one
+  # process x 4 devices run's, within the host's RAM moving in between
+  cap = lambda out, r: float(re.search(rf"\[Rank {r}\] Estimate: .* of "
+                                       rf"([0-9.]+) GiB", out.stdout).group(1))
+  assert cap(two, 3) == pytest.approx(cap(one, 3), rel=0.2)
   assert_close(final_params(tmp, "two"), final_params(tmp, "one"), 1e-6,
                "2x2 vs 1x4 ")
   loss2 = [json.loads(l)["loss"] for l in open(tmp / "two" / "metrics.jsonl")]

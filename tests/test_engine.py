@@ -132,3 +132,26 @@ def test_engine_checkpoint_restores_at_another_n(tmp_path):
     c.train_batch(b)
   assert c.global_steps == a.global_steps == 6
   assert_close(c.params, a.params, 1e-6, "N=4 -> N=2 ")
+
+
+def test_max_to_keep_holds_after_a_load(tmp_path):
+  """A resumed run (load, then save with a limit) keeps only the newest
+  max_to_keep steps: the load's Checkpointer (no limit) must not be reused
+  for the saves. Found with zero1-train --resume --save_total_limit 2, which
+  kept every step."""
+  params = float_part(odd_params())
+  ckpt = tmp_path / "ckpt"
+  a = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  for tag in (1, 2, 3):
+    a.save_checkpoint(ckpt, tag, max_to_keep=2)
+  a.wait_checkpoints()
+  assert z1.checkpoint.committed_steps(ckpt) == [2, 3]
+  b = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  b.load_checkpoint(ckpt)
+  for tag in (4, 5, 6):
+    b.save_checkpoint(ckpt, tag, max_to_keep=2)
+  b.wait_checkpoints()
+  assert z1.checkpoint.committed_steps(ckpt) == [5, 6]
+  with pytest.raises(ValueError, match="max_to_keep=0 would delete every "
+                     "checkpoint; pass at least 1, or None"):
+    z1.checkpoint.Checkpointer(tmp_path / "other", max_to_keep=0)

@@ -151,11 +151,15 @@ SEED = {"train_batch_size": 4, "gradient_accumulation_steps": 1,
 
 
 @pytest.mark.parametrize("config,extra,message", [
-    (SEED, ("--weight_decay", "0.1"), "weight_decay=0.1 conflicts with "
+    # each error names the flag as typed, not the config path it sets
+    (SEED, ("--weight_decay", "0.1"), "--weight_decay 0.1 conflicts with "
      "optimizer.params.weight_decay=0.01"),
-    (SEED, ("--adam_beta2", "0.95"), "conflicts with optimizer.params.betas=[0.9, 0.999]"),
+    (SEED, ("--adam_beta2", "0.95"), "--adam_beta1/--adam_beta2 [0.9, 0.95] "
+     "conflicts with optimizer.params.betas=[0.9, 0.999]"),
     (dict(SEED, gradient_clipping=1.0), ("--max_grad_norm", "0.5"),
-     "gradient_clipping=0.5 conflicts with gradient_clipping=1.0"),
+     "--max_grad_norm 0.5 conflicts with gradient_clipping=1.0"),
+    (SEED, ("--learning_rate", "1e-3"), "--learning_rate 0.001 conflicts with "
+     "optimizer.params.lr=2e-05"),
     ({"train_batch_size": 4}, ("--adam_epsilon", "1e-6"),
      "--adam_epsilon set optimizer.params, but"),
 ])

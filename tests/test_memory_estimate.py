@@ -91,3 +91,22 @@ def test_estimate_is_pure_arithmetic():
   e = inspect.estimate(1000, 4, param_itemsize=2, activation_bytes=100)
   assert (e.params, e.grads, e.state, e.activations) == (2000, 6000, 3000, 100)
   assert e.per_device == 11100
+
+
+def test_cpu_capacity_is_shared_by_every_process_on_the_host(monkeypatch):
+  """Two local processes x 2 simulated devices share one host's RAM as 4
+  devices in one process do; counting only this process's devices let
+  through a model the single-process command refuses."""
+  import jax
+  monkeypatch.setattr(inspect, "_host_available", lambda: 8 * GiB)
+  for name in inspect.LOCAL_PROCESSES_ENV:
+    monkeypatch.delenv(name, raising=False)
+  devices = jax.devices()[:2]
+  assert inspect.capacity(devices)[0] == 4 * GiB
+  monkeypatch.setenv("ZERO1_LOCAL_PROCESSES", "2")    # zero1-train's launcher
+  cap, source = inspect.capacity(devices)
+  assert cap == 2 * GiB
+  assert "shared by 4 simulated devices (2 in each of 2 processes)" in source
+  monkeypatch.delenv("ZERO1_LOCAL_PROCESSES")
+  monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+  assert inspect.capacity(devices)[0] == 1 * GiB

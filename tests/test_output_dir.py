@@ -25,6 +25,10 @@ def steps(out):
   return [json.loads(l)["step"] for l in open(out / "metrics.jsonl")]
 
 
+def logged_steps(out: str) -> list[int]:
+  return [int(l.split()[1]) for l in out.splitlines() if l.startswith("step ")]
+
+
 def one_line_error(capsys, *needles):
   err = capsys.readouterr().err
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -37,24 +41,34 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
   out = tmp_path / "out"
   assert run(tmp_path, out, "--max_steps", "3", "--save_steps", "2") == 0
   first = (out / "metrics.jsonl").read_text()
-  capsys.readouterr()
+  # log lines: step 1, every 10th (neither --logging_steps nor
+  # steps_per_print), and the last
+  assert logged_steps(capsys.readouterr().out) == [1, 3]
   # same command again: refused, nothing touched
   assert run(tmp_path, out, "--max_steps", "3", "--save_steps", "2") == 2
   one_line_error(capsys, "is not empty", "--resume latest",
                  "--overwrite_output_dir")
   assert (out / "metrics.jsonl").read_text() == first
   # --resume: continues from the last checkpoint (3), metrics in order
-  assert run(tmp_path, out, "--max_steps", "5", "--save_steps", "2",
-             "--resume", "latest") == 0
-  assert "at step 3" in capsys.readouterr().out
+  # --save_total_limit holds after the load (it once kept every step)
+  assert run(tmp_path, out, "--max_steps", "5", "--save_steps", "1",
+             "--resume", "latest", "--save_total_limit", "2",
+             "--logging_steps", "1") == 0
+  printed = capsys.readouterr().out
+  assert "at step 3" in printed
+  assert logged_steps(printed) == [4, 5]          # --logging_steps 1: each
   assert steps(out) == [1, 2, 3, 4, 5]
   assert json.load(open(out / "summary.json"))["steps"] == 5
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["4", "5"]
   # --overwrite_output_dir: a new run, none of the old one's files left
-  assert run(tmp_path, out, "--max_steps", "2", "--save_steps", "2",
-             "--overwrite_output_dir") == 0
-  assert steps(out) == [1, 2]
-  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]
-  assert json.load(open(out / "summary.json"))["steps"] == 2
+  # (and the JSON's steps_per_print sets the log period)
+  assert run(tmp_path, out, "--max_steps", "3", "--save_steps", "2",
+             "--overwrite_output_dir",
+             config={**CONFIG, "steps_per_print": 2}) == 0
+  assert logged_steps(capsys.readouterr().out) == [1, 2, 3]
+  assert steps(out) == [1, 2, 3]
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+  assert json.load(open(out / "summary.json"))["steps"] == 3
 
 
 def test_output_dir_that_is_a_file(tmp_path, capsys):
@@ -70,6 +84,19 @@ def test_resume_without_any_checkpoint_is_an_error(tmp_path, capsys):
              "--resume", "latest") == 2
   one_line_error(capsys, "no checkpoint in", "--output_dir")
   assert not (tmp_path / "typo" / "metrics.jsonl").exists()
+
+
+def test_resume_of_a_finished_run_without_checkpoints_is_an_error(tmp_path, capsys):
+  """It did not stop early: it ran to the end without --save_steps. Resuming
+  must not silently start it again over its metrics."""
+  out = tmp_path / "out"
+  assert run(tmp_path, out, "--max_steps", "1") == 0
+  metrics = (out / "metrics.jsonl").read_text()
+  capsys.readouterr()
+  assert run(tmp_path, out, "--max_steps", "2", "--resume", "latest") == 2
+  one_line_error(capsys, "finished without saving a checkpoint",
+                 "no --save_steps", "--overwrite_output_dir")
+  assert (out / "metrics.jsonl").read_text() == metrics
 
 
 def test_batch_error_shows_the_numbers_the_flags_gave(tmp_path, capsys):

@@ -95,7 +95,8 @@ class Checkpointer:
     directory: where step directories go (created if missing, unless
       ``create=False``); a relative path is taken from the current directory
       now, so a later ``os.chdir`` does not move it.
-    max_to_keep: keep only the newest this many steps (None: all).
+    max_to_keep: keep only the newest this many steps (None: all; at
+      least 1).
     async_save: return from :meth:`save` once the arrays are copied to host;
       the files are written in the background. Pending saves are finished
       by :meth:`wait`, :meth:`close`, the next :meth:`save` and, at the
@@ -110,6 +111,11 @@ class Checkpointer:
   def __init__(self, directory, *, max_to_keep: int | None = None,
                async_save: bool = True, create: bool = True):
     self.directory = lifecycle.absolute(directory)
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"zero1 checkpoint: max_to_keep={max_to_keep} would "
+                       f"delete every checkpoint; pass at least 1, or None to "
+                       f"keep all")
+    self.max_to_keep = max_to_keep
     async_save = lifecycle.async_save_allowed(async_save)
     if self.directory.exists() and not self.directory.is_dir():
       raise CheckpointError(f"zero1 checkpoint: {self.directory} is a file, "

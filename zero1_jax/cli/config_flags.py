@@ -59,11 +59,18 @@ def load(zconfig, path: str, world_size: int, flags: dict, *, max_steps: int,
   if not isinstance(raw, dict):   # load_config says what is wrong with it
     return zconfig.load_config(path, world_size=world_size)
   stub = zconfig.DeepSpeedConfig(1, 1, 1, world_size, raw=raw, source=path)
-  return stub.with_overrides(**flags)
+  return stub.with_overrides(flag_names=FLAG_NAMES, **flags)
 
 
 _FLAG_OF = {hf_auto.WEIGHT_DECAY: "weight_decay", hf_auto.EPS: "adam_epsilon",
             hf_auto.BETAS: "adam_beta1/--adam_beta2"}
+# The command-line flag of each override (errors name what the user typed).
+FLAG_NAMES = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+              "gradient_accumulation_steps": "--gradient_accumulation_steps",
+              "train_batch_size": "--train_batch_size", "lr": "--learning_rate",
+              "fp16": "--fp16", "bf16": "--bf16",
+              "gradient_clipping": "--max_grad_norm",
+              **{k: "--" + v for k, v in _FLAG_OF.items()}}
 
 
 def read_json(path: str):

@@ -54,7 +54,8 @@ def launch_local(module: str, argv: list[str], num_processes: int,
   """Runs ``python -m module argv --process_id i --coordinator_address ...``
   for i in range(num_processes); returns the job's exit code."""
   address = f"127.0.0.1:{free_port()}"
-  env = {**os.environ, LAUNCHER_PID: str(os.getpid())}
+  env = {**os.environ, LAUNCHER_PID: str(os.getpid()),
+         "ZERO1_LOCAL_PROCESSES": str(num_processes)}   # share the host's RAM
   old = signal.signal(signal.SIGUSR1, _blocked)
   # Each in its own session: a Ctrl-C reaches the launcher alone, which hands
   # exactly one SIGINT to every process (a second one would abandon a save).

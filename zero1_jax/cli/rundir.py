@@ -55,3 +55,8 @@ def clear(path: str) -> None:
 
 def has_metrics(path: str) -> bool:
   return os.path.exists(os.path.join(path, "metrics.jsonl"))
+
+
+def finished(path: str) -> bool:
+  """Whether the run in ``path`` ran to its end (it wrote its summary)."""
+  return os.path.exists(os.path.join(path, "summary.json"))

@@ -18,87 +18,17 @@ import signal
 import sys
 import time
 
-from zero1_jax.cli import common, config_flags, hf_auto, interrupt, memory, rundir
+from zero1_jax.cli import (common, config_flags, hf_auto, interrupt, memory,
+                            rundir, train_args)
 
 log = logging.getLogger("zero1_jax")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-      prog="zero1-train", description="Train a Flax BERT-MLM with ZeRO stage 1 "
-      "or 2 from a DeepSpeed JSON config.")
-  p.add_argument("--deepspeed", required=True, metavar="JSON",
-                 help="DeepSpeed config file")
-  p.add_argument("--num_devices", type=int, default=None,
-                 help="data-parallel devices (CPU: simulated). Default: all")
-  p.add_argument("--model_name_or_path", default="bert-tiny",
-                 help="one of zero1_jax.models.bert.SIZES (random init)")
-  p.add_argument("--per_device_train_batch_size", type=int, default=None)
-  p.add_argument("--gradient_accumulation_steps", type=int, default=None)
-  p.add_argument("--train_batch_size", type=int, default=None)
-  p.add_argument("--learning_rate", type=float, default=None)
-  h = p.add_argument_group(
-      "HF Trainer flags", "each fills its key's 'auto' in the JSON, or sets "
-      "the key; a JSON value that differs is an error naming both")
-  h.add_argument("--max_grad_norm", type=float, default=None,
-                 help="gradient_clipping")
-  h.add_argument("--weight_decay", type=float, default=None,
-                 help="optimizer.params.weight_decay")
-  h.add_argument("--adam_beta1", type=float, default=None,
-                 help="optimizer.params.betas[0]")
-  h.add_argument("--adam_beta2", type=float, default=None,
-                 help="optimizer.params.betas[1]")
-  h.add_argument("--adam_epsilon", type=float, default=None,
-                 help="optimizer.params.eps")
-  p.add_argument("--warmup_steps", type=int, default=None,
-                 help="fills scheduler.params.warmup_num_steps='auto' (as the "
-                 "HF Trainer does)")
-  p.add_argument("--fp16", action="store_const", const=True, default=None,
-                 help="fp16 on (sets fp16.enabled; fills an 'auto' there)")
-  p.add_argument("--bf16", action="store_const", const=True, default=None,
-                 help="bf16 on (sets bf16.enabled; fills an 'auto' there)")
-  p.add_argument("--max_steps", type=int, default=100,
-                 help="optimizer steps to run")
-  p.add_argument("--seq_len", type=int, default=128)
-  p.add_argument("--train_file", default=None,
-                 help="any text file; default: the Python stdlib's sources")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--output_dir", default="./output", help="must be empty or "
-                 "new, unless --resume or --overwrite_output_dir")
-  p.add_argument("--overwrite_output_dir", action="store_true",
-                 help="replace the earlier run in --output_dir")
-  p.add_argument("--ignore_memory_estimate", action="store_true",
-                 help="run even if the step's estimated memory exceeds what "
-                 "the devices have")
-  p.add_argument("--logging_steps", type=int, default=10)
-  p.add_argument("--no_progress", action="store_true",
-                 help="no progress bar (log lines instead)")
-  c = p.add_argument_group("checkpoints (orbax)")
-  c.add_argument("--save_steps", type=int, default=0, help="save every K "
-                 "optimizer steps (and at the end) to OUTPUT_DIR/checkpoints")
-  c.add_argument("--save_total_limit", type=int, default=None,
-                 help="keep only the newest this many checkpoints")
-  c.add_argument("--resume", default=None, metavar="latest|latest-valid|STEP",
-                 help="continue from a checkpoint in OUTPUT_DIR/checkpoints; "
-                 "latest-valid falls back past a damaged newest one")
-  g = p.add_argument_group("multi-process (jax.distributed)")
-  g.add_argument("--num_processes", type=int, default=None,
-                 help="processes in the job; without --process_id, spawns "
-                 "them locally on 127.0.0.1 (--num_devices each)")
-  g.add_argument("--process_id", type=int, default=None)
-  g.add_argument("--coordinator_address", default=None, help="host:port of "
-                 "process 0")
-  g.add_argument("--distributed_auto", action="store_true", help="detect the "
-                 "process coordinates from the cluster (SLURM, Open MPI, ...)")
-  g.add_argument("--heartbeat_timeout", type=int, default=100, help="seconds "
-                 "before a silent process makes the others fail")
-  return p.parse_args(argv)
-
-
 def _resume_step(args, ckpt_dir: str) -> bool:
   """Whether --resume has a checkpoint to load. ``latest`` with none is an
-  error (a mistyped --output_dir must not restart training), except after a
-  run that stopped before its first save (its metrics are there)."""
+  error (a mistyped --output_dir must not restart training), and so is a
+  finished run that saved none, except after a run that stopped before its
+  first save (its metrics are there, its summary is not)."""
   if not args.resume:
     return False
   if args.resume not in ("latest", "latest-valid"):
@@ -112,6 +42,12 @@ def _resume_step(args, ckpt_dir: str) -> bool:
   if os.path.isdir(ckpt_dir) and (
       checkpoint.committed_steps(ckpt_dir) or args.resume == "latest-valid"):
     return True
+  if rundir.finished(args.output_dir):
+    raise common.UsageError(
+        f"--resume {args.resume}: the run in {args.output_dir} finished "
+        f"without saving a checkpoint (it had no --save_steps), so there is "
+        f"nothing to continue from. Pass --overwrite_output_dir to run it "
+        f"again, or another --output_dir")
   if rundir.has_metrics(args.output_dir):
     print(f"[zero1-train] --resume {args.resume}: the run in {args.output_dir} "
           f"stopped before its first checkpoint; starting it again from step 0",
@@ -191,7 +127,7 @@ def run(args: argparse.Namespace) -> dict | None:
                                  resume=args.resume)
   engine, batches, main_process, resume, est = _setup(args)
   cfg = engine.config
-  mem = common.log_memory(engine, cfg, est if main_process else None)
+  mem = common.log_memory(engine, cfg, est)   # every process: its own ranks
   ckpt_dir = os.path.join(args.output_dir, "checkpoints")
   if resume:
     _resume(engine, args, ckpt_dir)
@@ -256,6 +192,7 @@ def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
 def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
            ckpt_dir) -> None:
   """The step loop: train, log, save every ``--save_steps``."""
+  every = train_args.logging_interval(args, cfg.steps_per_print)
   while engine.global_steps < args.max_steps:
     t = time.perf_counter()
     m = engine.train_batch(batches.batch_at(engine.global_steps))
@@ -271,7 +208,8 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
     bar.set_postfix(loss=f"{float('nan') if row['loss'] is None else row['loss']:.3f}",
                     samples_s=f"{row['samples_per_s']:.1f}")
     if main_process and log_lines and (
-        row["step"] % args.logging_steps == 1 or row["step"] == args.max_steps):
+        row["step"] == 1 or row["step"] % every == 0
+        or row["step"] == args.max_steps):
       print(f"step {row['step']:5d} loss {float('nan') if row['loss'] is None else row['loss']:.4f} scale "
             f"{row['loss_scale']:.0f} {row['samples_per_s']:.1f} samples/s",
             flush=True)
@@ -305,7 +243,7 @@ def _compiled_check(engine, batches, est, args, main_process) -> None:
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  args = parse_args(argv)
+  args = train_args.parse_args(argv)
   try:
     # The config first: a mistyped path is the error to fix, whatever the
     # output directory holds.

@@ -68,13 +68,15 @@ class DeepSpeedConfig:
         out[k] = {"type": sec.type, "params": copy.deepcopy(sec.params)}
     return {k: v for k, v in out.items() if v is not None}
 
-  def with_overrides(self, **flags) -> "DeepSpeedConfig":
+  def with_overrides(self, *, flag_names: dict[str, str] | None = None,
+                     **flags) -> "DeepSpeedConfig":
     """Apply command-line flags on top of the JSON and re-validate.
 
     A flag is a top-level key, a dotted path (`**{"fp16.enabled": True}` or
     `fp16__enabled=True`), or an alias: lr, zero_stage, fp16=/bf16=<bool>.
     None values are skipped; a flag that disagrees with a value the JSON sets
-    explicitly raises ConfigError naming both.
+    explicitly raises ConfigError naming both (each flag as ``flag_names``
+    names it, e.g. ``{"lr": "--learning_rate"}``, else ``flag lr``).
     """
     raw = copy.deepcopy(self.raw)
     for name, value in flags.items():
@@ -91,8 +93,10 @@ class DeepSpeedConfig:
           raise ConfigError(f"flag {name}: '{k}' in the config is not a section")
       old = node.get(leaf, _MISSING)
       if old is not _MISSING and not _same(old, value):
-        raise ConfigError(f"flag {name}={value!r} conflicts with {path}={old!r} "
-                          f"in {self.source or 'the config dict'}")
+        shown = (f"{flag_names[name]} {value!r}" if name in (flag_names or {})
+                 else f"flag {name}={value!r}")
+        raise ConfigError(f"{shown} conflicts with {path}={old!r} in "
+                          f"{self.source or 'the config dict'}: drop one of them")
       node[leaf] = value
     return _build(raw, self.world_size, self.source)
 

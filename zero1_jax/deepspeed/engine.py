@@ -165,9 +165,16 @@ class Engine:
 
   # -- checkpoints (orbax; see zero1_jax.checkpoint) -------------------------
 
-  def _checkpointer(self, directory, max_to_keep=None):
+  def _checkpointer(self, directory, max_to_keep=None, *, saving=False):
+    """The directory's Checkpointer. A save with another ``max_to_keep``
+    than the cached one's (a load's comes first, with None) replaces it, so
+    the limit holds after a resume."""
     key = os.path.abspath(os.fspath(directory))
-    if key not in self._ckpts:
+    old = self._ckpts.get(key)
+    if old is not None and saving and old.max_to_keep != max_to_keep:
+      old.close()
+      old = None
+    if old is None:
       self._ckpts[key] = checkpoint.Checkpointer(key, max_to_keep=max_to_keep)
     return self._ckpts[key]
 
@@ -183,7 +190,7 @@ class Engine:
     step = self.global_steps if tag is None else int(tag)
     extra = {"global_steps": self.global_steps,
              "skipped_steps": self.skipped_steps, **(extra or {})}
-    self._checkpointer(save_dir, max_to_keep).save(
+    self._checkpointer(save_dir, max_to_keep, saving=True).save(
         step, self.params, self.opt_state, extra=extra,
         config=self.config.to_dict(), force=True)
     return step

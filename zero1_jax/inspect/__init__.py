@@ -163,7 +163,8 @@ def capacity(devices) -> tuple[int, str]:
 
   GPU/TPU: the allocator's limit (``memory_stats()['bytes_limit']``), the
   smallest over ``devices``. Simulated CPU devices share the host's RAM: the
-  available memory (``MemAvailable``) divided among those of this process.
+  available memory (``MemAvailable``) divided among the simulated devices
+  of every process on this host (:func:`processes_on_this_host`).
   The environment variable ``ZERO1_DEVICE_MEMORY_BYTES`` overrides both.
   """
   import os
@@ -184,5 +185,25 @@ def capacity(devices) -> tuple[int, str]:
   import jax
   local = [d for d in devices if d.process_index == jax.process_index()] or devices
   avail = _host_available()
-  return avail // len(local), (f"{avail / 1024**3:.1f} GiB of available host "
-                               f"RAM shared by {len(local)} simulated devices")
+  procs = processes_on_this_host()
+  sharing = len(local) * procs
+  per = f" ({len(local)} in each of {procs} processes)" if procs > 1 else ""
+  return avail // sharing, (f"{avail / 1024**3:.1f} GiB of available host RAM "
+                            f"shared by {sharing} simulated devices{per}")
+
+
+# Processes of the job on this host, as launchers export it: zero1-train's
+# own local launcher, torchrun, Open MPI, SLURM (first match).
+LOCAL_PROCESSES_ENV = ("ZERO1_LOCAL_PROCESSES", "LOCAL_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def processes_on_this_host() -> int:
+  """How many processes of the job share this host's RAM (1 if no launcher
+  says). SLURM's ``2(x3)`` form counts its first number."""
+  import os
+  for name in LOCAL_PROCESSES_ENV:
+    value = os.environ.get(name, "").split("(")[0].split(",")[0].strip()
+    if value.isdigit() and int(value) >= 1:
+      return int(value)
+  return 1

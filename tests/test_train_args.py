@@ -1,0 +1,63 @@
+"""zero1-train's flags: every bad number is argparse's one-line usage error
+(exit 2) before anything starts; the launch flags it takes differently say
+what to write instead; --help names every model and default."""
+
+import pytest
+
+from zero1_jax.cli import train_args
+from zero1_jax.models import bert
+
+BASE = ["--deepspeed", "ds.json"]
+
+
+def usage_error(capsys, *argv) -> str:
+  with pytest.raises(SystemExit) as e:
+    train_args.parse_args([*BASE, *argv])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--logging_steps", "0"], "--logging_steps 0: must be at least 1"),
+    (["--max_steps", "0"], "--max_steps 0: must be at least 1"),
+    (["--save_steps", "-5"], "--save_steps -5: must be 0 or more"),
+    (["--seq_len", "0"], "--seq_len 0: must be at least 1"),
+    (["--per_device_train_batch_size", "0"],
+     "--per_device_train_batch_size 0: must be at least 1"),
+    (["--local_rank=0"], "--local_rank is not a zero1-train flag: zero1-train "
+     "is its own launcher"),
+    (["--resume_from_checkpoint", "x"], "use --resume latest|latest-valid|STEP"),
+    (["--num_train_epochs", "3"], "use --max_steps"),
+    (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+])
+def test_bad_flags_are_usage_errors(capsys, argv, message):
+  assert message in usage_error(capsys, *argv)
+
+
+def test_save_total_limit_of_zero_or_less_keeps_all_as_hf_does():
+  """The HF Trainer skips rotation for save_total_limit <= 0; it once made
+  zero1-train delete every checkpoint, the last included."""
+  for value in ("0", "-1"):
+    assert train_args.parse_args([*BASE, "--save_total_limit", value]
+                                 ).save_total_limit is None
+  assert train_args.parse_args([*BASE, "--save_total_limit", "2"]
+                               ).save_total_limit == 2
+
+
+def test_logging_interval_flag_then_steps_per_print_then_ten():
+  args = train_args.parse_args(BASE)
+  assert train_args.logging_interval(args, None) == 10
+  assert train_args.logging_interval(args, 2000) == 2000
+  args = train_args.parse_args([*BASE, "--logging_steps", "1"])
+  assert train_args.logging_interval(args, 2000) == 1
+
+
+def test_help_names_every_model_and_shows_defaults():
+  text = "".join(train_args._parser().format_help().split())  # unwrapped
+  for name in bert.SIZES:
+    assert name in text, name
+  for default in ("Default:bert-tiny", "Default:100", "Default:128",
+                  "Default:./output"):
+    assert default in text, default

@@ -1,0 +1,159 @@
+"""``zero1-train``'s command line: the flags (HF Trainer and DeepSpeed names),
+their checks, and hints for the launch flags it takes differently.
+
+Every number is checked before anything starts: a bad value is one line and
+exit 2, never a traceback after compiling.
+
+Example:
+  >>> args = parse_args(["--deepspeed", "ds.json", "--logging_steps", "1"])
+  >>> args.logging_steps, args.max_steps, args.save_total_limit
+  (1, 100, None)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from zero1_jax.cli.common import UsageError
+
+DEFAULT_LOGGING_STEPS = 10   # without --logging_steps or steps_per_print
+
+# Flags of DeepSpeed's launcher and the HF Trainer that zero1-train does not
+# take: what to write instead.
+_INSTEAD = {
+    "--local_rank": "zero1-train is its own launcher: one process drives all "
+                    "of a host's devices. Run `zero1-train --num_devices N ...` "
+                    "instead of `deepspeed --num_gpus N train.py ...`",
+    "--num_gpus": "use --num_devices N",
+    "--num_nodes": "use --num_processes (one per host) with "
+                   "--coordinator_address, or --distributed_auto",
+    "--resume_from_checkpoint": "use --resume latest|latest-valid|STEP (the "
+                                "checkpoints in OUTPUT_DIR/checkpoints)",
+    "--num_train_epochs": "zero1-train counts optimizer steps: use --max_steps",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="zero1-train", description="Train a Flax BERT-MLM with ZeRO stage 1 "
+      "or 2 from a DeepSpeed JSON config.")
+  p.add_argument("--deepspeed", required=True, metavar="JSON",
+                 help="DeepSpeed config file")
+  p.add_argument("--num_devices", type=int, default=None,
+                 help="data-parallel devices (CPU: simulated). Default: all")
+  p.add_argument("--model_name_or_path", default="bert-tiny",
+                 help="bert-tiny, bert-mini, bert-small, bert-medium, "
+                 "bert-base-uncased or bert-large-uncased (architecture only, "
+                 "random init; zero1_jax.models.bert.SIZES). Default: %(default)s")
+  p.add_argument("--per_device_train_batch_size", type=int, default=None,
+                 help="train_micro_batch_size_per_gpu (fills an 'auto')")
+  p.add_argument("--gradient_accumulation_steps", type=int, default=None,
+                 help="gradient_accumulation_steps (fills an 'auto')")
+  p.add_argument("--train_batch_size", type=int, default=None,
+                 help="train_batch_size: micro batch x accumulation x devices")
+  p.add_argument("--learning_rate", type=float, default=None,
+                 help="optimizer.params.lr (fills an 'auto')")
+  h = p.add_argument_group(
+      "HF Trainer flags", "each fills its key's 'auto' in the JSON, or sets "
+      "the key; a JSON value that differs is an error naming both")
+  h.add_argument("--max_grad_norm", type=float, default=None,
+                 help="gradient_clipping")
+  h.add_argument("--weight_decay", type=float, default=None,
+                 help="optimizer.params.weight_decay")
+  h.add_argument("--adam_beta1", type=float, default=None,
+                 help="optimizer.params.betas[0]")
+  h.add_argument("--adam_beta2", type=float, default=None,
+                 help="optimizer.params.betas[1]")
+  h.add_argument("--adam_epsilon", type=float, default=None,
+                 help="optimizer.params.eps")
+  p.add_argument("--warmup_steps", type=int, default=None,
+                 help="fills scheduler.params.warmup_num_steps='auto' (as the "
+                 "HF Trainer does)")
+  p.add_argument("--fp16", action="store_const", const=True, default=None,
+                 help="fp16 on (sets fp16.enabled; fills an 'auto' there)")
+  p.add_argument("--bf16", action="store_const", const=True, default=None,
+                 help="bf16 on (sets bf16.enabled; fills an 'auto' there)")
+  p.add_argument("--max_steps", type=int, default=100,
+                 help="optimizer steps to run. Default: %(default)s")
+  p.add_argument("--seq_len", type=int, default=128,
+                 help="tokens per sequence. Default: %(default)s")
+  p.add_argument("--train_file", default=None,
+                 help="any text file; default: the Python stdlib's sources")
+  p.add_argument("--seed", type=int, default=0,
+                 help="parameter init and data order. Default: %(default)s")
+  p.add_argument("--output_dir", default="./output", help="must be empty or "
+                 "new, unless --resume or --overwrite_output_dir. "
+                 "Default: %(default)s")
+  p.add_argument("--overwrite_output_dir", action="store_true",
+                 help="replace the earlier run in --output_dir")
+  p.add_argument("--ignore_memory_estimate", action="store_true",
+                 help="run even if the step's estimated memory exceeds what "
+                 "the devices have")
+  p.add_argument("--logging_steps", type=int, default=None,
+                 help="print a log line at step 1, every K steps and the last "
+                 "(with --no_progress or no tqdm). Default: the JSON's "
+                 f"steps_per_print, else {DEFAULT_LOGGING_STEPS}")
+  p.add_argument("--no_progress", action="store_true",
+                 help="no progress bar (log lines instead)")
+  c = p.add_argument_group("checkpoints (orbax)")
+  c.add_argument("--save_steps", type=int, default=0, help="save every K "
+                 "optimizer steps (and at the end) to OUTPUT_DIR/checkpoints. "
+                 "Default: 0 (no checkpoints)")
+  c.add_argument("--save_total_limit", type=int, default=None,
+                 help="keep only the newest this many checkpoints (0 or "
+                 "less, or unset: keep all, as the HF Trainer)")
+  c.add_argument("--resume", default=None, metavar="latest|latest-valid|STEP",
+                 help="continue from a checkpoint in OUTPUT_DIR/checkpoints; "
+                 "latest-valid falls back past a damaged newest one")
+  g = p.add_argument_group("multi-process (jax.distributed)")
+  g.add_argument("--num_processes", type=int, default=None,
+                 help="processes in the job; without --process_id, spawns "
+                 "them locally on 127.0.0.1 (--num_devices each)")
+  g.add_argument("--process_id", type=int, default=None,
+                 help="this process's index in the job (0 .. num_processes-1)")
+  g.add_argument("--coordinator_address", default=None, help="host:port of "
+                 "process 0")
+  g.add_argument("--distributed_auto", action="store_true", help="detect the "
+                 "process coordinates from the cluster (SLURM, Open MPI, ...)")
+  g.add_argument("--heartbeat_timeout", type=int, default=100, help="seconds "
+                 "before a silent process makes the others fail. "
+                 "Default: %(default)s")
+  return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """The flags, checked (argparse's usage error, exit 2, on a bad one)."""
+  p = _parser()
+  args, unknown = p.parse_known_args(argv)
+  for arg in unknown:
+    name = arg.split("=", 1)[0]
+    if name in _INSTEAD:
+      p.error(f"{name} is not a zero1-train flag: {_INSTEAD[name]}")
+  if unknown:
+    p.error(f"unrecognized arguments: {' '.join(unknown)}")
+  try:
+    check(args)
+  except UsageError as e:
+    p.error(str(e))
+  if args.save_total_limit is not None and args.save_total_limit <= 0:
+    args.save_total_limit = None     # the HF Trainer's rule: keep all
+  return args
+
+
+def check(args: argparse.Namespace) -> None:
+  """UsageError naming the first flag whose value cannot work."""
+  at_least = {"max_steps": 1, "logging_steps": 1, "save_steps": 0,
+              "seq_len": 1, "num_devices": 1, "num_processes": 1,
+              "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
+              "train_batch_size": 1, "warmup_steps": 0, "heartbeat_timeout": 1,
+              "process_id": 0}
+  for name, low in at_least.items():
+    value = getattr(args, name)
+    if value is not None and value < low:
+      what = "0 or more" if low == 0 else f"at least {low}"
+      raise UsageError(f"--{name} {value}: must be {what}")
+
+
+def logging_interval(args: argparse.Namespace, steps_per_print: int | None) -> int:
+  """--logging_steps, else the DeepSpeed JSON's steps_per_print, else 10."""
+  return args.logging_steps or steps_per_print or DEFAULT_LOGGING_STEPS
