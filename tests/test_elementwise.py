@@ -181,8 +181,10 @@ def batches():
   return [batch(16, seed=s) for s in range(STEPS)]
 
 
-UP = jax.tree.map(lambda x: np.random.default_rng(x.size).random(x.shape) < 0.5,
-                  float_part(odd_params()))
+def up(tree):
+  """Fixed random signs per leaf (seeded by its size), True: 1 ulp up."""
+  return jax.tree.map(
+      lambda x: np.random.default_rng(x.size).random(x.shape) < 0.5, tree)
 
 
 def reference(txs: dict, params, batches) -> dict:
@@ -206,7 +208,7 @@ def reference(txs: dict, params, batches) -> dict:
     # round the same way.
     g_split = jax.tree.map(
         lambda x, d: jnp.nextafter(x, jnp.where(d, jnp.inf, -jnp.inf)),
-        g_split, UP)
+        g_split, up(g_split))
     out = [tx.update(g, st, q) for g, st, q in zip((g_full, g_split), ss, ps)]
     return ([optax.apply_updates(q, u) for q, (u, _) in zip(ps, out)],
             [st for _, st in out])
@@ -372,15 +374,18 @@ def test_readme_lists_exactly_the_enumerated_optimizers():
     ("optax.lamb", "reduces across elements"),
 ])
 def test_the_issue_cases_are_refused_for_the_right_reason(name, why):
-  with pytest.raises(ValueError, match=re.escape(why)):
+  with pytest.raises(ValueError, match=re.escape(why)) as e:
     z1.init(z1.zero1(CASES[name](), axis_name="data"), odd_params(), mesh(N))
+  # The escape hatch for an optimizer the user knows to be elementwise.
+  assert "zero1(..., check_elementwise=False) skips this check" in str(e.value)
 
 
 def test_probe_alone_catches_whole_tree_scalar_state():
   """The second line on its own: dadapt_adamw's scalar state differs."""
   layout = z1.plan(float_part(odd_params()), N)
-  assert "its state on N=4 shards differs" in ew.probe_reason(
-      optax.contrib.dadapt_adamw(), layout)
+  why = ew.probe_reason(optax.contrib.dadapt_adamw(), layout)
+  assert "its state on N=4 shards differs" in why, why
+  assert "at state.numerator_weighted (" in why, why   # the leaf, by path
   assert ew.probe_reason(optax.adam(LR), layout) is None
   # A PRNG key in the state is compared, not a crash.
   assert ew.probe_reason(optax.add_noise(0.01, 0.55, key=0), layout)
@@ -393,7 +398,29 @@ def test_size_dependent_scale_is_caught_by_the_probe():
       lambda g, p: jax.tree.map(lambda x: x / np.sqrt(x.size), g))
   layout = z1.plan(float_part(odd_params()), N)
   assert ew.jaxpr_reason(by_size, layout) is None
-  assert "its update on N=4 shards differs" in ew.probe_reason(by_size, layout)
+  with pytest.raises(ValueError) as e:
+    z1.init(z1.zero1(by_size, axis_name="data"), odd_params(), mesh(N))
+  msg = str(e.value)
+  assert "its update on N=4 shards differs" in msg, msg
+  # Named by its path in the parameter tree (was "(leaf 0)").
+  assert "whole parameters at ['dense']['bias'] (step 1, by " in msg, msg
+  assert "check_elementwise=False" in msg, msg
+
+
+def test_schedule_free_warmup_is_accepted_and_matches_optax(batches):
+  """schedule_free_adamw(warmup_steps=2): at step 0 the learning rate is 0,
+  so its update (y_new - params) is pure rounding of the params, ~1e-7. The
+  whole and the sharded probe programs round the scalar ``gain``'s update
+  1 ulp of ``gain`` apart; measured against the update's own ~1e-7 that was
+  a refusal (the extra leaf ``a``, unused by the loss, moves the probe's
+  random draws onto such a case at N=4). The probe's floor is now in ulps of
+  the parameters an update is added to."""
+  make_tx = lambda: optax.contrib.schedule_free_adamw(LR, warmup_steps=2)
+  params = {**odd_params(), "a": jnp.zeros(5)}
+  state, tx = zero1_init(make_tx(), params)          # was: Refused
+  p = zero1_train(state, tx, loss_fn, batches)
+  ref = reference({"x": make_tx()}, params, batches)["x"]
+  assert worst_ratio(float_part(p), *ref) <= 1.0
 
 
 def test_multisteps_inside_zero1_matches(outcomes):

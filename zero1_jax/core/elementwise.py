@@ -53,7 +53,10 @@ REFUSAL = (
     "gradient clipping pass zero1(..., max_grad_norm=...) instead of "
     "optax.clip_by_global_norm; to skip steps whose gradients hold inf/nan "
     "(optax.apply_if_finite, zero_nans) pass "
-    "zero1(..., loss_scale=z1.NoLossScale(skip_nonfinite=True)).")
+    "zero1(..., loss_scale=z1.NoLossScale(skip_nonfinite=True)). If you "
+    "know it to be elementwise (every number it computes for an element "
+    "depends on that element alone), zero1(..., check_elementwise=False) "
+    "skips this check.")
 
 
 class Refused(ValueError):
@@ -199,6 +202,27 @@ def probe_layout(layout: lay.Layout, n: int) -> lay.Layout:
   return lay.Layout(layout.treedef, tuple(leaves), n)
 
 
+# Rounding allowed between the whole and the sharded probe, in ulps of the
+# value's scale (see probe_reason): 8 ulps, 9.5e-7 relative in float32.
+ULPS = 8
+
+
+def _max_abs(x) -> float:
+  x = np.asarray(x, np.float64)
+  return float(np.max(np.abs(x), initial=0.0, where=np.isfinite(x)))
+
+
+def _probe_paths(inner: optax.GradientTransformation, small: lay.Layout,
+                 dtype: Any) -> list[str]:
+  """Names of the probe's compared leaves: the update's (twice), then the
+  state's, as ``['w1']`` / ``state[0].mu['w1']``."""
+  p = shard_inputs(small, dtype)
+  state = jax.eval_shape(inner.init, p)
+  names = lambda tree, pre: [pre + jax.tree_util.keystr(k) for k, _ in
+                             jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return names(p, "") * 2 + names(state, "state")
+
+
 def _comparable(x) -> np.ndarray:
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
@@ -255,6 +279,7 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
                           tree(split(full_g)))
   except Exception as e:  # noqa: BLE001 - an update that fails is refused
     return f"its update fails on the probe: {_brief(e)}"
+  floats = [x for x, s in zip(full_p, small.leaves) if s.kind != lay.STATIC]
   u_dims = [s.dim if s.kind == lay.SHARD else None for s in small.leaves
             if s.kind != lay.STATIC]
   for i, (w, ps, d) in enumerate(zip(whole, parts, u_dims * 2 + dims)):
@@ -265,17 +290,40 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
     else:
       got = np.concatenate(list(ps), axis=d)
       got = got[tuple(slice(0, m) for m in w.shape)]
-    what = ("its update" if i < 2 * len(u_dims) else "its state")
+    update = i < 2 * len(u_dims)
+    what = "its update" if update else "its state"
     if got.shape != w.shape:
       return f"{what} has another shape on a shard"
     if jnp.issubdtype(w.dtype, jnp.inexact):
-      scale = float(np.max(np.abs(w), initial=0.0, where=np.isfinite(w)))
-      ok = np.allclose(got, w, rtol=1e-5, atol=1e-6 * scale, equal_nan=True)
+      # The floor. Whole and sharded are two XLA programs; each may round a
+      # value differently (fusion, fma, a vmapped scalar), by a few ulps of
+      # the operands it was computed from. An update is computed from the
+      # parameters and added back to them (schedule-free's update is
+      # y_new - params: at a warmup step with lr ~ 0 it is ~1e-7 of pure
+      # rounding of params), so its ulps are the parameter's, not its own:
+      # the floor is ULPS ulps of max(|update|, |param|). A state leaf is
+      # carried as it is, so its floor is ULPS ulps of its own magnitude.
+      # What a non-elementwise optimizer changes (a whole-leaf statistic,
+      # a size-dependent scale) moves the update by a fraction of itself, not
+      # by a few ulps of the parameters: with the probe's gradients (1e3 x
+      # the params) any update that moves the weights beyond rounding shows.
+      # (An update the schedule keeps ~0 in both probe steps shows nothing;
+      # the jaxpr check and the state leaves, at their own scale, still do.)
+      scale = _max_abs(w)
+      if update:
+        scale = max(scale, _max_abs(floats[i % len(u_dims)]))
+      atol = ULPS * float(jnp.finfo(w.dtype).eps) * scale
+      ok = np.allclose(got, w, rtol=1e-5, atol=atol, equal_nan=True)
     else:
-      ok = np.array_equal(got, w)
+      atol, ok = 0.0, np.array_equal(got, w)
     if not ok:
+      err = float(np.max(np.abs(got.astype(np.float64) - w), initial=0.0,
+                         where=np.isfinite(w)))
+      step = f"step {i // len(u_dims) + 1}, " if update else ""
+      path = _probe_paths(inner, small, dtype)[i]
       return (f"{what} on N={n} shards differs from the same slices of "
-              f"{what} on the whole parameters (leaf {i})")
+              f"{what} on the whole parameters at {path} ({step}by {err:.3g}, "
+              f"beyond rounding: {atol:.3g})")
   return None
 
 
