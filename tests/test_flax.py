@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
@@ -98,6 +99,63 @@ def test_nnx_trainer_matches_nnx_optimizer():
   assert_close(got, want, 1e-6, "nnx ")
   b = batches(1)[0]
   np.testing.assert_allclose(model(b["x"]), ref_model(b["x"]), rtol=1e-5, atol=1e-6)
+
+
+class Stateful(nnx.Module):
+  """A model that updates state NnxTrainer holds constant: BatchNorm
+  statistics, the RNG count Dropout draws from, or a counter it sets."""
+
+  def __init__(self, kind, rngs):
+    self.kind = kind
+    self.l1 = nnx.Linear(5, 7, rngs=rngs)
+    self.bn = nnx.data(nnx.BatchNorm(7, rngs=rngs) if "batchnorm" in kind else None)
+    self.do = nnx.data(nnx.Dropout(0.5, rngs=rngs) if "dropout" in kind else None)
+    self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+    self.l2 = nnx.Linear(7, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.l1(x))
+    if self.bn is not None:
+      h = self.bn(h)
+    if self.do is not None:
+      h = self.do(h)
+    if self.kind == "counter":
+      self.calls[...] += 1
+    return self.l2(h)
+
+
+@pytest.mark.parametrize("kind,names", [
+    ("batchnorm", ["bn.mean (BatchStat)", "bn.var (BatchStat)"]),
+    ("dropout", ["do.rngs.count (RngCount)"]),
+    ("counter", ["calls (Variable)"]),
+])
+def test_nnx_trainer_refuses_a_model_that_updates_held_state(kind, names):
+  """Before: flax's TraceContextError ('Cannot mutate BatchStat from a
+  different trace level') from deep inside the step. Now one error at the
+  first step naming the variables and both ways out."""
+  trainer = z1flax.NnxTrainer(Stateful(kind, nnx.Rngs(0)),
+                              z1.zero1(optax.adam(1e-2), axis_name="data"),
+                              mesh(N), nnx_loss)
+  with pytest.raises(z1flax.HeldStateMutated) as e:
+    trainer.train_step(batches(1)[0])
+  msg = str(e.value)
+  assert isinstance(e.value, ValueError)
+  for name in names:
+    assert name in msg, msg
+  assert "l1.kernel" not in msg and "(Param)" not in msg, msg
+  assert "holds every other variable constant" in msg, msg
+  assert "nnx.Optimizer(model, tx, wrt=nnx.Param)" in msg, msg
+  assert "jax.set_mesh" in msg and "model.eval()" in msg, msg
+
+
+def test_nnx_trainer_trains_the_same_model_in_eval_mode():
+  """The error's second way out: deterministic BatchNorm and Dropout."""
+  model = Stateful("batchnorm+dropout", nnx.Rngs(0))
+  model.eval()
+  trainer = z1flax.NnxTrainer(model, z1.zero1(optax.sgd(0.1), axis_name="data"),
+                              mesh(N), nnx_loss)
+  losses = [float(trainer.train_step(b)["loss"]) for b in batches(1) * 5]
+  assert losses[-1] < losses[0], losses
 
 
 def test_linen_example_script_trains():

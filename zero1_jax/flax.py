@@ -29,6 +29,12 @@ writes them back::
     trainer = z1.flax.NnxTrainer(model, tx, mesh, loss_fn)   # loss_fn(model, batch)
     metrics = trainer.train_step(batch)
     trainer.update_model(model)
+
+It holds every other variable constant, so a model that updates them in the
+loss (BatchNorm statistics, the RNG counts of ``nnx.Dropout``) is refused at
+the first step with :class:`HeldStateMutated`; train such a model with
+``nnx.Optimizer(model, tx, wrt=nnx.Param)`` in plain jit under
+``jax.set_mesh``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+from flax import errors as flax_errors
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P
@@ -82,8 +89,39 @@ def state_specs(state: TrainState, mesh: jax.sharding.Mesh) -> TrainState:
                        opt_state=opt)
 
 
+class HeldStateMutated(ValueError):
+  """:class:`NnxTrainer`'s model updated a variable it holds constant."""
+
+
+def _held_message(what: str) -> str:
+  return (
+      f"z1.flax.NnxTrainer: the model updates non-parameter state during the "
+      f"loss ({what}). NnxTrainer trains only the `wrt` variables and holds "
+      f"every other variable constant, so these updates (BatchNorm "
+      f"statistics, the RNG counts nnx.Dropout draws from, a Variable set in "
+      f"__call__) cannot be kept. Either train with nnx.Optimizer(model, tx, "
+      f"wrt=nnx.Param) in a plain jax.jit / nnx.jit step under "
+      f"`with jax.set_mesh(mesh):` (the same zero1 tx; it carries the "
+      f"model's state), or make the model deterministic in the loss "
+      f"(model.eval(): BatchNorm use_running_average=True, Dropout "
+      f"deterministic=True).")
+
+
+def _values(state: nnx.State) -> dict:
+  """``{'bn.mean (BatchStat)': value}`` of ``state``'s variables."""
+  return {f"{'.'.join(map(str, path))} ({type(v).__name__})": v.get_value()
+          for path, v in nnx.to_flat_state(state)}
+
+
 class NnxTrainer:
   """Trains the ``wrt`` variables of an nnx model with ZeRO-1.
+
+  The other variables are held constant: a model that updates them in the
+  loss (``nnx.BatchNorm`` in training mode, ``nnx.Dropout`` drawing from
+  ``nnx.Rngs``, any Variable it sets in ``__call__``) is refused at the
+  first ``train_step`` with :class:`HeldStateMutated` naming them. Train
+  such a model with ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` in plain
+  ``jax.jit`` under ``jax.set_mesh(mesh)``, or call ``model.eval()`` first.
 
   Args:
     model: an ``nnx.Module``.
@@ -94,6 +132,22 @@ class NnxTrainer:
       held constant during the step.
     **step_kwargs: passed to :func:`zero1_jax.train_step`
       (``grad_accum_steps``, ``has_aux``).
+
+  Raises:
+    HeldStateMutated: (at the first ``train_step``) the loss updates a
+      variable outside ``wrt``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, zero1_jax as z1
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> model = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+    >>> loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+    >>> trainer = z1.flax.NnxTrainer(model, tx, mesh, loss)
+    >>> batch = {"x": np.ones((16, 5), np.float32), "y": np.ones((16, 3), np.float32)}
+    >>> metrics = trainer.train_step(batch)
+    >>> trainer.update_model(model)
   """
 
   def __init__(self, model: nnx.Module, tx: Zero1Transformation,
@@ -108,7 +162,20 @@ class NnxTrainer:
       return state
 
     def loss(pure, batch):
-      return loss_fn(nnx.merge(graphdef, rebuild(pure), rest), batch)
+      # This trace's own copies of the held variables: the model may write
+      # them here (no TraceContextError), and a write shows as a new value.
+      held = jax.tree.map(lambda x: x, rest)
+      before = _values(held)
+      merged = nnx.merge(graphdef, rebuild(pure), held)
+      try:
+        out = loss_fn(merged, batch)
+      except flax_errors.TraceContextError as e:   # a variable outside both
+        raise HeldStateMutated(_held_message(_brief(e))) from e
+      after = _values(nnx.split(merged, wrt, ...)[2])
+      changed = [k for k in after if k not in before or after[k] is not before[k]]
+      if changed:
+        raise HeldStateMutated(_held_message(", ".join(changed)))
+      return out
 
     self._rebuild = rebuild
     self.params, self.opt_state = zstep.init(tx, nnx.to_pure_dict(wrt_state),
@@ -124,3 +191,7 @@ class NnxTrainer:
   def update_model(self, model: nnx.Module) -> None:
     """Writes the trained variables back into ``model``."""
     nnx.update(model, self._rebuild(self.params))
+
+
+def _brief(e: Exception) -> str:
+  return (str(e).splitlines() or [""])[0][:200]
