@@ -318,15 +318,39 @@ def test_file_errors(tmp_path):
   with pytest.raises(ConfigError, match="nope.json"):
     load_config(missing, world_size=1)
   bad = tmp_path / "bad.json"
-  bad.write_text('{\n  "train_batch_size": 8,\n  "fp16": {enabled: true}\n}')
+  # (unquoted keys and comments are Hjson, which DeepSpeed reads: see below)
+  bad.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,,}\n}')
   with pytest.raises(ConfigError) as e:
     load_config(bad, world_size=1)
-  assert "bad.json" in str(e.value) and "line 3 column 12" in str(e.value)
+  assert "bad.json" in str(e.value) and "line 3 column 28" in str(e.value)
   dup = tmp_path / "dup.json"
   dup.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
   with pytest.raises(ConfigError, match="Duplicate keys in DeepSpeed config: "
                      r"\['train_batch_size'\]"):
     load_config(dup, world_size=1)
+
+
+def test_hjson_that_deepspeed_reads_loads_as_its_json(tmp_path):
+  """DeepSpeed 0.19.8 reads a config file with hjson (runtime/config.py:444):
+  comments, unquoted keys and strings, no commas at line ends. Such a file
+  must give the same config as its plain JSON (it once was 'invalid JSON')."""
+  text = """{
+    // comments, as people annotate their ds_config.json
+    train_batch_size: 8   # global
+    "zero_optimization": {"stage": 1, reduce_bucket_size: 5e8},
+    optimizer: {
+      type: AdamW
+      params: {lr: 1e-3, betas: [0.9, 0.999]}
+    }
+  }"""
+  (tmp_path / "ds.hjson").write_text(text)
+  plain = {"train_batch_size": 8,
+           "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,
+                                                    "betas": [0.9, 0.999]}}}
+  got = load_config(tmp_path / "ds.hjson", world_size=1)
+  assert got.raw == plain
+  assert got.to_dict() == load_config(plain, world_size=1).to_dict()
 
 
 def test_raw_and_to_dict_round_trip():

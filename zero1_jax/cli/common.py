@@ -32,8 +32,9 @@ def overlap_flags(config_path: str) -> None:
   (GPU), set before the backend starts. A bad file is reported later by
   load_config, with its own message."""
   try:
-    with open(config_path) as f:
-      zero = json.load(f).get("zero_optimization", {})
+    from zero1_jax.deepspeed.config import parse_text
+    with open(config_path, encoding="utf-8") as f:
+      zero = parse_text(f.read(), config_path).get("zero_optimization", {})
   except (OSError, ValueError, AttributeError):
     return
   if isinstance(zero, dict) and zero.get("overlap_comm") is True:

@@ -5,7 +5,6 @@ top, a JSON value that differs being an error naming both
 
 from __future__ import annotations
 
-import json
 import logging
 
 from zero1_jax.cli import common, hf_auto
@@ -74,16 +73,11 @@ FLAG_NAMES = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
 
 
 def read_json(path: str):
-  """The JSON object in ``path``, or None when it cannot be read (then
-  ``load_config`` names the problem)."""
-
-  def pairs(kv):
-    if len({k for k, _ in kv}) != len(kv):
-      raise ValueError("duplicate keys")
-    return dict(kv)
-
+  """The config in ``path`` (JSON or Hjson, as DeepSpeed reads it), or None
+  when it cannot be read (then ``load_config`` names the problem)."""
+  from zero1_jax.deepspeed import config as zconfig
   try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f, object_pairs_hook=pairs)
+      return zconfig.parse_text(f.read(), path)
   except (OSError, ValueError):
     return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import hjson
 import json
 import logging
 import math
@@ -371,11 +372,29 @@ def load_config(config: str | os.PathLike | Mapping,
     except OSError as e:
       raise ConfigError(f"cannot read DeepSpeed config {source!r}: "
                         f"{e.strerror or e}") from e
-    try:
-      config = json.loads(text, object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"invalid JSON in {source!r} at line {e.lineno} column "
-                        f"{e.colno} (char {e.pos}): {e.msg}") from e
-    except ConfigError as e:
-      raise ConfigError(f"{source!r}: {e}") from None
+    config = parse_text(text, source)
   return _build(config, world_size, source)
+
+
+def parse_text(text: str, source: str = "the config"):
+  """A DeepSpeed config file's text, read as DeepSpeed 0.19 reads it
+  (``runtime/config.py``: ``hjson.load`` with duplicate keys an error): JSON,
+  plus the comments, unquoted keys and strings Hjson allows. Text that is
+  plain JSON is read by ``json`` (Hjson would make ``1.0`` the int 1).
+
+  >>> parse_text('{"train_batch_size": 8, zero_optimization: {stage: 1}}  # 1 node')
+  {'train_batch_size': 8, 'zero_optimization': {'stage': 1}}
+  """
+  try:   # plain JSON as JSON: 1.0 stays a float (Hjson reads it as 1)
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+  except json.JSONDecodeError:
+    pass
+  except ConfigError as e:
+    raise ConfigError(f"{source!r}: {e}") from None
+  try:
+    return hjson.loads(text, object_pairs_hook=_no_duplicates)
+  except hjson.HjsonDecodeError as e:
+    raise ConfigError(f"invalid JSON in {source!r} at line {e.lineno} column "
+                      f"{e.colno} (char {e.pos}): {e.msg}") from e
+  except ConfigError as e:
+    raise ConfigError(f"{source!r}: {e}") from None
