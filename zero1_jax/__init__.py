@@ -14,6 +14,7 @@ the DeepSpeed front door (:mod:`zero1_jax.deepspeed`) build on it.
 
 from zero1_jax import checkpoint, deepspeed, distributed, flax, inspect
 from zero1_jax.core import specs
+from zero1_jax.core.inner_state import inner_state
 from zero1_jax.core.jit_mode import reduced_params
 from zero1_jax.core.layout import Layout, plan
 from zero1_jax.core.precision import (DynamicLossScale, LossScaleState,
@@ -29,7 +30,7 @@ __all__ = [
     "ConfigError", "DeepSpeedConfig", "DynamicLossScale", "Engine", "Layout",
     "LossScaleState", "NoLossScale", "StaticLossScale", "StepInfo",
     "Zero1Config", "Zero1State", "Zero1Transformation", "checkpoint",
-    "deepspeed", "distributed", "flax", "init", "initialize", "inspect",
+    "deepspeed", "distributed", "flax", "init", "initialize", "inner_state", "inspect",
     "load_config", "loss_scale", "plan", "reduced_params", "specs",
     "state_shardings",
     "train_step", "zero1", "zero2",
