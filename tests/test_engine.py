@@ -155,3 +155,23 @@ def test_max_to_keep_holds_after_a_load(tmp_path):
   with pytest.raises(ValueError, match="max_to_keep=0 would delete every "
                      "checkpoint; pass at least 1, or None"):
     z1.checkpoint.Checkpointer(tmp_path / "other", max_to_keep=0)
+
+
+def test_get_lr_is_the_rate_each_step_used():
+  """DeepSpeed's engine.get_lr(): one value per parameter group (one here),
+  the scheduler's rate of the step just taken. WarmupLR 'linear' from 0 to
+  0.1 over 4 steps (DeepSpeed 0.19.8 runtime/lr_schedules.py): the first step
+  runs at warmup_min_lr (set at construction, last_batch_iteration -1), step
+  k >= 2 at 0.1 * (k - 2) / 4 (iteration k - 2 after k - 1 scheduler steps)."""
+  cfg = fp32_config(scheduler={"type": "WarmupLR", "params": {
+      "warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 4,
+      "warmup_type": "linear"}})
+  e = z1.initialize(cfg, loss_fn=loss_fn, params=float_part(odd_params()),
+                    mesh=mesh(2))
+  got = []
+  for s in range(5):
+    e.train_batch(batch(16, seed=s))
+    got.append(e.get_lr())
+  np.testing.assert_allclose(np.ravel(got), [0.0, 0.0, 0.025, 0.05, 0.075],
+                             rtol=1e-6, atol=1e-9)
+  assert all(len(g) == 1 for g in got)

@@ -3,6 +3,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from zero1_jax.cli import train
@@ -60,6 +61,11 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
   assert steps(out) == [1, 2, 3, 4, 5]
   assert json.load(open(out / "summary.json"))["steps"] == 5
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["4", "5"]
+  # the last line says where the checkpoints are; each row has the lr used
+  assert printed.strip().splitlines()[-1].endswith(
+      f"checkpoints (steps 4, 5) in {out / 'checkpoints'}")
+  assert {json.loads(l)["lr"] for l in open(out / "metrics.jsonl")} == {
+      float(np.float32(1e-3))}                     # the fp32 rate the step used
   # --overwrite_output_dir: a new run, none of the old one's files left
   # (and the JSON's steps_per_print sets the log period)
   assert run(tmp_path, out, "--max_steps", "3", "--save_steps", "2",

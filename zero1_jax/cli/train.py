@@ -157,9 +157,13 @@ def run(args: argparse.Namespace) -> dict | None:
     return None
   wall = time.perf_counter() - t0
   summary = common.write_outputs(args.output_dir, history, mem, engine, wall)
+  from zero1_jax import checkpoint
+  saved = checkpoint.committed_steps(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+  where = (f"; checkpoints (steps {', '.join(map(str, saved))}) in {ckpt_dir}"
+           if saved else "; no checkpoints (--save_steps)")
   print(f"[zero1-train] {engine.global_steps} steps ({engine.skipped_steps} "
         f"skipped) in {wall:.1f}s; {common.loss_text(summary)}; outputs in "
-        f"{args.output_dir}", flush=True)
+        f"{args.output_dir}{where}", flush=True)
   return summary
 
 
@@ -200,6 +204,7 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
            "grad_norm": common.finite(m["grad_norm"]),
            "skipped": bool(m["skipped"]),
            "loss_scale": float(m["loss_scale"]),
+           "lr": next(iter(engine.get_lr()), None),
            "samples_per_s": cfg.train_batch_size / (time.perf_counter() - t)}
     history.append(row)
     if main_process:

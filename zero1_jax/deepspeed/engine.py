@@ -226,6 +226,18 @@ class Engine:
   def loss_scale(self) -> float:
     return float(self.opt_state.loss_scale.scale)
 
+  def get_lr(self) -> list[float]:
+    """The learning rate of the last optimizer step (before the first: the
+    first step's), one per parameter group as DeepSpeed's ``get_lr()``
+    returns it: here always one group. A skipped step keeps the state, so
+    the rate of the last step applied."""
+    found = [x.hyperparams["learning_rate"] for x in jax.tree.leaves(
+        self.opt_state.inner, is_leaf=lambda x: isinstance(
+            getattr(x, "hyperparams", None), dict))
+             if isinstance(getattr(x, "hyperparams", None), dict)
+             and "learning_rate" in x.hyperparams]
+    return [float(found[0])] if found else []
+
   def memory_report(self) -> dict:
     """Optimizer-state bytes (master copy + moments) measured from the live
     arrays: what the first device holds, and what every device would hold
