@@ -75,6 +75,7 @@ def log_memory(engine, cfg, estimate=None) -> dict:
   import jax
 
   from zero1_jax import inspect
+  from zero1_jax.deepspeed import engine as zengine
   state = (engine.opt_state.master, engine.opt_state.inner)
   n = engine.mesh.shape[engine.axis_name]
   before = sum(x.nbytes for x in jax.tree.leaves(state))
@@ -83,9 +84,10 @@ def log_memory(engine, cfg, estimate=None) -> dict:
     if d.process_index != jax.process_index():
       continue
     per_rank[r] = inspect.device_bytes(state, d)
-    what = ("optimizer state and gradients" if cfg.zero.stage == 2
+    stage = zengine.run_stage(cfg)
+    what = ("optimizer state and gradients" if stage == 2
             else "optimizer state")
-    print(f"[Rank {r}] Zero Stage {cfg.zero.stage}: {what} partitioned")
+    print(f"[Rank {r}] Zero Stage {stage}: {what} partitioned")
     print(f"[Rank {r}] Before: optimizer state {before / _GiB:.4g} GiB per GPU")
     print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GiB:.4g} GiB per "
           f"GPU (1/{n})")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from zero1_jax import inspect
 from zero1_jax.cli.common import UsageError, gib
 from zero1_jax.core.transform import Zero1Config
+from zero1_jax.deepspeed import engine as zengine
 
 ACT_ELEMS = 100
 
@@ -64,7 +65,7 @@ def check(mcfg, init_fn, cfg, mesh, seq_len: int, *, model: str,
   largest = max(sizes, default=0) + sum(s for s in sizes if s < small)
   devices = list(mesh.devices.flat)
   n, mb = len(devices), cfg.train_micro_batch_size_per_gpu
-  zero = dict(stage=cfg.zero.stage, largest_leaf=largest)
+  zero = dict(stage=zengine.run_stage(cfg), largest_leaf=largest)
   est = _estimate(num_params, mcfg, n, mb, seq_len, **zero)
   cap, source = inspect.capacity(devices)
   if est.per_device <= cap or ignore:

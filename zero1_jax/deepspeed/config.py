@@ -182,8 +182,9 @@ def _parse_zero(raw: Mapping) -> ZeroConfig:
     raise ConfigError(
         f"zero_optimization.stage={stage} is not supported: zero1_jax "
         "implements ZeRO stages 1 (optimizer-state sharding) and 2 (+ gradient "
-        "sharding), and stage 0 (plain data parallelism); stage 3 also shards "
-        "parameters. Use \"stage\": 1 or 2")
+        "sharding), and runs stage 0 (plain data parallelism) as stage 1, "
+        "which trains the same weights; stage 3 also shards parameters. Use "
+        "\"stage\": 1 or 2")
   return ZeroConfig(**vals)
 
 

@@ -55,6 +55,8 @@ def loss_scale_policy(cfg: zconfig.DeepSpeedConfig) -> precision.LossScale:
     # (runtime/engine.py _configure_zero_optimizer, zero/stage_1_and_2.py).
     skip = (cfg.bf16.check_grad_overflow if cfg.bf16.enabled
             else cfg.zero.compute_grad_norm)
+    if cfg.zero.stage == 0 and not cfg.bf16.enabled:
+      skip = False   # stage 0's torch optimizer has no overflow check (engine.py)
     return precision.NoLossScale(skip_nonfinite=skip)
   if not f.dynamic_loss_scale:
     return precision.StaticLossScale(float(f.loss_scale))
@@ -65,10 +67,17 @@ def loss_scale_policy(cfg: zconfig.DeepSpeedConfig) -> precision.LossScale:
       min_loss_scale=float(f.min_loss_scale))
 
 
+def run_stage(cfg: zconfig.DeepSpeedConfig) -> int:
+  """The ZeRO stage the engine runs: the config's, stage 0 as stage 1 (the
+  same update; DeepSpeed's stage-0 rule for a non-finite fp32 step, applied,
+  is kept by :func:`loss_scale_policy`)."""
+  return max(1, cfg.zero.stage)
+
+
 def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
              ) -> Zero1Transformation:
-  """The :func:`zero1` (stage 1) or :func:`zero2` (stage 2) transformation
-  a DeepSpeed config describes.
+  """The :func:`zero1` (stage 0 or 1) or :func:`zero2` (stage 2)
+  transformation a DeepSpeed config describes.
 
   ``reduce_bucket_size`` / ``allgather_bucket_size`` count elements in
   DeepSpeed; here they become bytes at the gradient / parameter dtype
@@ -76,15 +85,15 @@ def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
   caps each group of small leaves at ``reduce_bucket_size``: see
   :func:`zero2`).
   """
-  if cfg.zero.stage not in (1, 2):
-    raise zconfig.ConfigError(
-        f"zero_optimization.stage is {cfg.zero.stage}; the engine runs stage "
-        "1 (sharded optimizer state) or 2 (+ gradients reduce-scattered in "
-        "the backward pass). Set \"stage\": 1 or 2.")
+  if cfg.zero.stage == 0:
+    logger.info("zero_optimization.stage=0 (DeepSpeed's plain data "
+                "parallelism, also what a config without zero_optimization "
+                "means) runs as ZeRO stage 1: the same update and the same "
+                "weights, with 1/N of the optimizer state on each device")
   itemsize = jnp.dtype(compute_dtype(cfg) or jnp.float32).itemsize
   comm = (_COMM[cfg.communication_data_type]
           if cfg.communication_data_type else None)
-  make = zero2 if cfg.zero.stage == 2 else zero1
+  make = zero2 if run_stage(cfg) == 2 else zero1
   return make(
       ds_optim.build_optimizer(cfg.optimizer, cfg.scheduler), axis_name=axis_name,
       reduce="reduce_scatter" if cfg.zero.reduce_scatter else "all_reduce",
