@@ -238,6 +238,18 @@ def test_export_cli(saved, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
       export_cli.main(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+  # A run directory (steps in checkpoints/) or one step's directory: the
+  # error says where the steps are.
+  run_dir = tmp_path / "run"
+  shutil.copytree(saved.dir, run_dir / "checkpoints")
+  for given, needle in ((run_dir, f"its checkpoints (steps [{K}]) are in "
+                         f"{run_dir / 'checkpoints'}"),
+                        (run_dir / "checkpoints" / str(K),
+                         f"it is step {K}'s own directory: pass the directory "
+                         f"that holds the steps, {run_dir / 'checkpoints'}")):
+    assert export_cli.main([str(given), str(tmp_path / "w")]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
   # The console script (or the module): one line, no traceback.
   script = os.path.join(os.path.dirname(sys.executable), "zero1-export")
   cmd = [script] if os.path.exists(script) else [

@@ -99,6 +99,27 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, when, ref):
   assert [r["loss_scale"] for r in rows] == [r["loss_scale"] for r in ref_rows]
 
 
+def test_a_save_cut_short_is_named_once_and_replaced(tmp_path, ref):
+  """The newest step's save was cut short (orbax's temporary directory is
+  left): --resume says so in one line, continues from the step before, and
+  saving that step again replaces it without orbax's own warning."""
+  ref_dir, want = ref
+  shutil.copytree(ref_dir, tmp_path / "run")
+  ckpt = tmp_path / "run" / "checkpoints"
+  os.rename(ckpt / str(STEPS), ckpt / f"{STEPS}.orbax-checkpoint-tmp")
+  resumed = subprocess.run(cmd(tmp_path, "run", "--resume", "latest"), env=ENV,
+                           capture_output=True, text=True, timeout=240)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert (f"step {STEPS} in {ckpt}: a save cut short, never loaded; replaced "
+          f"when saved again") in resumed.stdout
+  assert f"at step {STEPS - 2}" in resumed.stdout
+  assert "not finalized" not in resumed.stderr, resumed.stderr[-2000:]
+  assert checkpoint.committed_steps(ckpt)[-1] == STEPS
+  got = finished_params(tmp_path, "run")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_corrupt_latest_checkpoint_falls_back_only_when_asked(tmp_path, ref):
   ref_dir, want = ref
   shutil.copytree(ref_dir, tmp_path / "run")      # a finished run to corrupt
@@ -111,6 +132,8 @@ def test_corrupt_latest_checkpoint_falls_back_only_when_asked(tmp_path, ref):
                           capture_output=True, text=True, timeout=240)
   assert latest.returncode == 2
   assert f"step {STEPS}" in latest.stderr and biggest.name in latest.stderr
+  assert "--resume latest-valid continues from the newest step that is " \
+         "readable" in latest.stderr                 # the way out, named
   assert "Traceback" not in latest.stderr
 
   valid = subprocess.run(cmd(tmp_path, "run", "--resume", "latest-valid"),

@@ -321,7 +321,8 @@ class Checkpointer:
     latest = self.latest_step()
     if latest is None:
       raise UnreadableCheckpointError(
-          f"zero1 checkpoint: no committed checkpoint in {self.directory}")
+          f"zero1 checkpoint: no committed checkpoint in {self.directory}"
+          f"{steps.nearby_hint(self.directory)}")
     return latest
 
   def _restore_one(self, step: int, tx, params_template, mesh):

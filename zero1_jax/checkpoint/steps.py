@@ -55,3 +55,31 @@ def is_committed(path: epath.Path) -> bool:
     return meta.get("commit_timestamp_nsecs") is not None
   except (OSError, ValueError):
     return False
+
+
+def nearby_hint(directory) -> str:
+  """Where the steps are when ``directory`` holds none: a run directory
+  (zero1-train's OUTPUT_DIR, steps in ``checkpoints/``) or one step's own
+  directory. ``""`` when neither."""
+  d = lifecycle.absolute(directory)
+  inner = committed_steps(d / "checkpoints")
+  if inner:
+    return (f"; it holds a run: its checkpoints (steps {inner}) are in "
+            f"{d / 'checkpoints'}")
+  if re.fullmatch(r"\d+", d.name) and int(d.name) in committed_steps(d.parent):
+    return (f"; it is step {d.name}'s own directory: pass the directory that "
+            f"holds the steps, {d.parent}, and the step number ({d.name})")
+  return ""
+
+
+def unfinished_steps(directory) -> list[int]:
+  """Steps whose save was cut short (kill -9, power loss): orbax's temporary
+  ``<step>.orbax-checkpoint-tmp*`` directory, or a step directory never
+  committed. They are never loaded."""
+  d = lifecycle.absolute(directory)
+  if not d.is_dir():
+    return []
+  cut = {s for s, p in step_dirs(d).items() if not is_committed(p)}
+  cut |= {int(m.group(1)) for p in d.iterdir()
+          if (m := re.fullmatch(r"(\d+)\..*tmp.*", p.name))}
+  return sorted(cut)

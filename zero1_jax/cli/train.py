@@ -112,12 +112,39 @@ def _setup(args):
 
 def _resume(engine, args, ckpt_dir) -> None:
   """--resume latest|latest-valid|STEP (checked by _resume_step)."""
+  from zero1_jax import checkpoint
   tag = None if args.resume in ("latest", "latest-valid") else int(args.resume)
-  extra = engine.load_checkpoint(ckpt_dir, tag,
-                                 fallback_to_valid=args.resume == "latest-valid")
+  try:
+    extra = engine.load_checkpoint(
+        ckpt_dir, tag, fallback_to_valid=args.resume == "latest-valid")
+  except checkpoint.UnreadableCheckpointError as e:
+    if args.resume != "latest":
+      raise
+    raise common.UsageError(f"{e}. --resume latest-valid continues from the "
+                            f"newest step that is readable") from None
   print(f"[zero1-train] resumed from {ckpt_dir} at step {engine.global_steps} "
         f"(data position {extra.get('data_step', engine.global_steps)})",
         flush=True)
+  _report_unfinished_saves(ckpt_dir)
+
+
+class _DropOrbaxTmpNotice(logging.Filter):
+  """orbax's absl WARNING on re-saving an unfinished step's directory: said
+  once, in zero1-train's own words, by :func:`_report_unfinished_saves`."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "since it is not finalized" not in record.getMessage()
+
+
+def _report_unfinished_saves(ckpt_dir: str) -> None:
+  """A save cut short (kill -9, power loss) leaves a step directory that is
+  never loaded; say so, instead of orbax's warning when it is replaced."""
+  from zero1_jax.checkpoint import steps
+  cut = steps.unfinished_steps(ckpt_dir)
+  if cut:
+    print(f"[zero1-train] step {', '.join(map(str, cut))} in {ckpt_dir}: a "
+          f"save cut short, never loaded; replaced when saved again", flush=True)
+    logging.getLogger("absl").addFilter(_DropOrbaxTmpNotice())
 
 
 def run(args: argparse.Namespace) -> dict | None:
