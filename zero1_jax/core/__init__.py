@@ -6,7 +6,8 @@ whether an inner optimizer may be sharded (:mod:`.elementwise`, with the
 taint analysis of its jaxpr in :mod:`.jaxpr_check`), the
 shardings of its state (:mod:`.specs`), params sharded over other mesh axes
 on 2-D meshes (:mod:`.param_axes`), the checks of what an update is handed
-(:mod:`.checks`) and the shard_map step (:mod:`.step`).
+(:mod:`.checks`), the shard_map step (:mod:`.step`) and the inner
+optax state gathered back to parameter shapes (:mod:`.inner_state`).
 Imports point down that list: step -> transform -> jit_mode -> specs ->
 {elementwise -> {jaxpr_check, layout}, state}, transform -> {checks,
 collectives} -> layout, and step, transform, jit_mode, specs -> param_axes ->
