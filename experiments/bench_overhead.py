@@ -65,10 +65,17 @@ def overhead_section(plan: bs.Plan, log=print) -> list[dict]:
     log(f"  overhead N={n} ({row['times']['ddp']['n']} rounds): floor="
         f"{row['times'][bs.FLOOR]['median'] * 1e3:.1f}ms; above it " +
         ", ".join(f"{k}={v:.2f}ms" for k, v in row["overhead_ms"].items()) +
-        f"; zero1/ddp overhead={row['zero1_over_ddp_overhead']:.3f}; written MB " +
+        f"; zero1/ddp overhead={_ratio_text(row['zero1_over_ddp_overhead'])}"
+        "; written MB " +
         ", ".join(f"{k}={v / 1e6:.1f}" for k, v in row["written"].items()))
     del builts
   return rows
+
+
+def _ratio_text(ratio: float | None) -> str:
+  """The ratio, or why there is none: on a loaded machine a tiny model's DDP
+  step can time at or below the floor, leaving no overhead to divide by."""
+  return f"{ratio:.3f}" if ratio is not None else "n/a (DDP not above the floor)"
 
 
 def stage2_section(plan: bs.Plan, log=print) -> list[dict]:

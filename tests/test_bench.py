@@ -261,3 +261,12 @@ def test_peak_breakdown_reads_xla_dumps_that_add_up(tmp_path):
   # at the peak, and counted once
   assert got["live"] < sum(b for _, b, _ in got["buffers"])
   assert any(op == "(argument)" and b == 256 * 256 * 4 for _, b, op in got["buffers"])
+
+
+def test_overhead_log_survives_ddp_at_the_floor():
+  """A tiny model's DDP step can time at or below the floor on a loaded
+  machine: the ratio is None, and the log line once crashed formatting it
+  (every test of this file then errored in the fixture)."""
+  from experiments import bench_overhead
+  assert bench_overhead._ratio_text(None) == "n/a (DDP not above the floor)"
+  assert bench_overhead._ratio_text(0.5) == "0.500"
