@@ -39,7 +39,15 @@ def test_seed_bert_large_command_stops_in_seconds_on_24gb(tmp_path):
   assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr
   assert "bert-large-uncased will not fit" in err[0]
   assert re.search(r"needs about [\d.]+ GiB per device", err[0])
-  assert "--per_device_train_batch_size" in err[0] and "--num_devices" in err[0]
+  # Each suggestion keeps the seed JSON's train_batch_size 32 and says the
+  # accumulation to set there (the JSON sets it to 1, so a flag cannot):
+  # once it suggested --per_device_train_batch_size 4 alone, which the batch
+  # rule then refused (32 != 4 * 1 * 4).
+  assert re.search(r'--per_device_train_batch_size (\d) and '
+                   r'"gradient_accumulation_steps": (\d+) in the JSON '
+                   r'\(32 = \1 x \2 x 4\)', err[0]), err[0]
+  assert re.search(r'--num_devices (\d) and "gradient_accumulation_steps": '
+                   r'(\d+) in the JSON \(32 = 8 x \2 x \1\)', err[0]), err[0]
   assert not (tmp_path / "output").exists()
 
 

@@ -81,3 +81,16 @@ def read_json(path: str):
       return zconfig.parse_text(f.read(), path)
   except (OSError, ValueError):
     return None
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
+              "gradient_accumulation_steps")
+
+
+def pinned_batch_keys(path: str) -> frozenset:
+  """The batch keys the JSON in ``path`` sets to a value (not "auto"): a
+  flag may fill them only with the same value."""
+  raw = read_json(path)
+  if not isinstance(raw, dict):
+    return frozenset()
+  return frozenset(k for k in BATCH_KEYS if raw.get(k, "auto") != "auto")

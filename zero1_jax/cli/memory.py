@@ -47,11 +47,44 @@ def _estimate(num_params: int, mcfg, n: int, mb: int, seq_len: int,
       stage=stage, largest_leaf=largest_leaf)
 
 
+def batch_change(cfg, pinned: frozenset, n: int, mb: int) -> str | None:
+  """What else a run with micro batch ``mb`` on ``n`` devices must change
+  so DeepSpeed's batch rule (train = micro x accumulation x devices) still
+  holds: ``""`` nothing, a flag, or a value to edit in the JSON when the
+  JSON itself sets that key (``pinned``: a flag may not contradict it);
+  None when no accumulation keeps the JSON's ``train_batch_size``.
+
+  >>> from types import SimpleNamespace as C
+  >>> seed = C(train_batch_size=32, gradient_accumulation_steps=1)
+  >>> batch_change(seed, frozenset({"train_batch_size", "gradient_accumulation_steps"}), 4, 4)
+  ' and "gradient_accumulation_steps": 2 in the JSON (32 = 4 x 2 x 4)'
+  >>> batch_change(seed, frozenset({"train_batch_size"}), 4, 4)
+  ' --gradient_accumulation_steps 2'
+  >>> batch_change(seed, frozenset(), 4, 4), batch_change(seed, frozenset({"train_batch_size"}), 3, 8)
+  ('', None)
+  """
+  if "train_batch_size" not in pinned:
+    return ""          # the global batch follows micro batch and devices
+  tb = cfg.train_batch_size
+  if tb % (mb * n):
+    return None
+  gas = tb // (mb * n)
+  if gas == cfg.gradient_accumulation_steps:
+    return ""
+  if "gradient_accumulation_steps" in pinned:
+    return (f' and "gradient_accumulation_steps": {gas} in the JSON '
+            f"({tb} = {mb} x {gas} x {n})")
+  return f" --gradient_accumulation_steps {gas}"
+
+
 def check(mcfg, init_fn, cfg, mesh, seq_len: int, *, model: str,
-          ignore: bool = False) -> tuple[inspect.MemoryEstimate, int, str]:
+          ignore: bool = False, pinned: frozenset = frozenset()
+          ) -> tuple[inspect.MemoryEstimate, int, str]:
   """Estimates per-device bytes from shapes alone (``jax.eval_shape`` of
   ``init_fn``: nothing is allocated) and raises :class:`UsageError` with
-  what to change when it exceeds :func:`zero1_jax.inspect.capacity`.
+  what to change when it exceeds :func:`zero1_jax.inspect.capacity`: each
+  suggestion keeps DeepSpeed's batch rule with the batch keys the JSON sets
+  (``pinned``), saying what else to change (:func:`batch_change`).
 
   Returns ``(estimate, capacity bytes per device, where capacity comes from)``.
   """
@@ -73,19 +106,24 @@ def check(mcfg, init_fn, cfg, mesh, seq_len: int, *, model: str,
   cpu = devices[0].platform == "cpu"
   fixes = []
   smaller = next((b for b in range(mb - 1, 0, -1)
-                  if _estimate(num_params, mcfg, n, b, seq_len,
-                               **zero).per_device <= cap),
+                  if batch_change(cfg, pinned, n, b) is not None
+                  and _estimate(num_params, mcfg, n, b, seq_len,
+                                **zero).per_device <= cap),
                  None)
   if smaller:
-    fixes.append(f"--per_device_train_batch_size {smaller}")
+    micro = ('"train_micro_batch_size_per_gpu": {} in the JSON'
+             if "train_micro_batch_size_per_gpu" in pinned
+             else "--per_device_train_batch_size {}")
+    fixes.append(micro.format(smaller) + batch_change(cfg, pinned, n, smaller))
   if cpu and n > 1:   # fewer simulated devices share the same RAM
     host = cap * n
     fewer = next((k for k in range(n - 1, 0, -1)
-                  if _estimate(num_params, mcfg, k, mb, seq_len,
-                               **zero).per_device * k
+                  if batch_change(cfg, pinned, k, mb) is not None
+                  and _estimate(num_params, mcfg, k, mb, seq_len,
+                                **zero).per_device * k
                   <= host), None)
     if fewer:
-      fixes.append(f"--num_devices {fewer}")
+      fixes.append(f"--num_devices {fewer}" + batch_change(cfg, pinned, fewer, mb))
   if jnp.dtype(mcfg.dtype).itemsize > 2:
     fixes.append("bf16 or fp16 in the config")
   fixes += ["a shorter --seq_len", "a smaller model"]

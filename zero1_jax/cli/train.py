@@ -96,7 +96,8 @@ def _setup(args):
   init = lambda key: bert.init_params(mcfg, key)
   est = memory.check(mcfg, init, cfg, mesh, args.seq_len,
                      model=args.model_name_or_path,
-                     ignore=args.ignore_memory_estimate)
+                     ignore=args.ignore_memory_estimate,
+                     pinned=config_flags.pinned_batch_keys(args.deepspeed))
   common.release_notes()
   if main:
     if args.overwrite_output_dir:
