@@ -34,3 +34,31 @@ def test_partial_coordinates_are_an_error():
     distributed.initialize("127.0.0.1:1234", num_processes=2)
   with pytest.raises(ValueError, match=r"--process_id 2 must be in \[0, 2\)"):
     distributed.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
+
+
+def test_jax_coordinator_address_gives_process_0_only(monkeypatch):
+  """JAX reads only the coordinator's address from JAX_COORDINATOR_ADDRESS.
+  With --num_processes and --process_id it completes them; alone, the
+  error says what is missing (JAX's own: 'Number of processes must be
+  defined'). jax.distributed.initialize is stood in for: it may not run in
+  a process whose backend is up."""
+  for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  calls = []
+
+  def fake(**kw):
+    calls.append(kw)
+    if "num_processes" not in kw:
+      raise ValueError("Number of processes must be defined.")
+
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", fake)
+  monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+  assert distributed.initialize(num_processes=2, process_id=1) is True
+  assert calls[-1]["coordinator_address"] == "10.0.0.1:1234"
+  assert (calls[-1]["num_processes"], calls[-1]["process_id"]) == (2, 1)
+  with pytest.raises(ValueError, match=r"JAX_COORDINATOR_ADDRESS=10\.0\.0\.1:"
+                     r"1234 names process 0 only: .*--num_processes and "
+                     r"--process_id"):
+    distributed.initialize()

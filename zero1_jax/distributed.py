@@ -33,7 +33,9 @@ def initialize(coordinator_address: str | None = None,
   """Joins this process to a multi-process JAX runtime.
 
   Args:
-    coordinator_address: ``host:port`` of process 0.
+    coordinator_address: ``host:port`` of process 0 (default: the
+      ``JAX_COORDINATOR_ADDRESS`` environment variable, when the other two
+      are given).
     num_processes, process_id: this job's size and this process's rank.
     auto: let JAX detect them from the cluster environment (SLURM, Open MPI,
       ``JAX_COORDINATOR_ADDRESS`` ...), as ``jax.distributed.initialize()``
@@ -46,6 +48,10 @@ def initialize(coordinator_address: str | None = None,
     True if a multi-process runtime was started, False for a single process
     (no coordinates given and ``auto`` off).
   """
+  env_address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if coordinator_address is None and env_address and (
+      num_processes is not None or process_id is not None):
+    coordinator_address = env_address   # JAX's variable names process 0 only
   given = [coordinator_address, num_processes, process_id]
   if all(v is None for v in given):
     auto = auto or cluster_environment()
@@ -64,7 +70,16 @@ def initialize(coordinator_address: str | None = None,
   if not auto:
     kwargs.update(coordinator_address=coordinator_address,
                   num_processes=num_processes, process_id=process_id)
-  jax.distributed.initialize(**kwargs)
+  try:
+    jax.distributed.initialize(**kwargs)
+  except ValueError as e:
+    if auto and env_address and "number of processes" in str(e).lower():
+      raise ValueError(
+          f"JAX_COORDINATOR_ADDRESS={env_address} names process 0 only: give "
+          f"this process's coordinates too, --num_processes and --process_id "
+          f"(z1.distributed.initialize(num_processes=..., process_id=...)); "
+          f"SLURM and Open MPI set them for you") from None
+    raise
   log.info("process %d of %d joined; %d local / %d global devices",
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count())
