@@ -137,3 +137,27 @@ def test_own_warnings_are_one_line_each(tmp_path, capsys):
   assert len(lines) == 2, err
   assert all(l.startswith("[zero1_jax] warning: ") for l in lines), err
   assert "UserWarning" not in err and "config.py" not in err, err
+
+
+def test_memory_plot_of_a_multi_process_run_says_whose_ranks(tmp_path):
+  """Process 0 writes the plot with its own ranks only: the title says so
+  (2 bars under 'N=4' read as missing data)."""
+  pytest.importorskip("matplotlib")
+  from matplotlib import pyplot as plt
+  from zero1_jax.cli import plots
+  titles = []
+  real = plt.Axes.set_title
+  def spy(ax, text, *a, **k):
+    titles.append(text)
+    return real(ax, text, *a, **k)
+  plt.Axes.set_title = spy
+  try:
+    for ranks in ([0, 1], [0, 1, 2, 3]):
+      plots.memory_bars({"num_devices": 4, "ranks": ranks,
+                         "replicated_bytes": 4e6,
+                         "zero1_bytes_per_rank": [1e6] * len(ranks)},
+                        str(tmp_path / f"m{len(ranks)}.png"))
+  finally:
+    plt.Axes.set_title = real
+  assert titles == ["Optimizer state per device, N=4: process 0's ranks (measured)",
+                    "Optimizer state per device, N=4 (measured)"]

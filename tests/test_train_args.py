@@ -61,3 +61,4 @@ def test_help_names_every_model_and_shows_defaults():
   for default in ("Default:bert-tiny", "Default:100", "Default:128",
                   "Default:./output"):
     assert default in text, default
+

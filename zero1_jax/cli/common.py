@@ -186,11 +186,12 @@ def finite(x) -> float | None:
 
 
 def loss_text(summary: dict) -> str:
-  """``loss 5.61 -> 3.02``, or why there is none."""
+  """``loss 5.61 -> 3.02 (...)``, or why there is none."""
   if summary["first_loss"] is None:
     return (f"no loss: all {summary['skipped_steps']} steps were skipped "
             f"(fp16 loss-scale warm-up; run more steps)")
-  return f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}"
+  return (f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
+          f"(means of the first and last 10% of the steps taken)")
 
 
 class _StderrHandler(logging.StreamHandler):

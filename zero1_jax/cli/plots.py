@@ -39,8 +39,11 @@ def memory_bars(mem: dict, path: str) -> None:
          [b / _MB for b in mem["zero1_bytes_per_rank"]], w, label="ZeRO-1")
   ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
   ax.set_ylabel("optimizer state + master (MiB)")
-  ax.set_title(f"Optimizer state per device, N={n} (measured)")
-  ax.legend(loc="center right")
+  which = ("" if len(ranks) == n else   # multi-process: process 0 plots its own
+           ": process 0's ranks")
+  ax.set_title(f"Optimizer state per device, N={n}{which} (measured)")
+  ax.set_ylim(0, 1.3 * mem["replicated_bytes"] / _MB)   # room for the legend
+  ax.legend(loc="upper center", ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

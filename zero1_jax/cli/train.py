@@ -187,7 +187,9 @@ def run(args: argparse.Namespace) -> dict | None:
   summary = common.write_outputs(args.output_dir, history, mem, engine, wall)
   from zero1_jax import checkpoint
   saved = checkpoint.committed_steps(ckpt_dir) if os.path.isdir(ckpt_dir) else []
-  where = (f"; checkpoints (steps {', '.join(map(str, saved))}) in {ckpt_dir}"
+  shown = (", ".join(map(str, saved)) if len(saved) <= 6 else
+           f"{saved[0]}, {saved[1]}, ..., {saved[-1]}: {len(saved)}")
+  where = (f"; checkpoints (steps {shown}) in {ckpt_dir}"
            if saved else "; no checkpoints (--save_steps)")
   print(f"[zero1-train] {engine.global_steps} steps ({engine.skipped_steps} "
         f"skipped) in {wall:.1f}s; {common.loss_text(summary)}; outputs in "
