@@ -87,6 +87,17 @@ def test_batch_mismatch_uses_deepspeeds_message(d, ws, msg):
       "micro_batch_per_gpu * gradient_acc_step * world_size", msg, ws=ws)
 
 
+def test_batch_mismatch_says_what_would_hold():
+  """After DeepSpeed's words: the accumulation that makes the rule hold, or
+  that no accumulation can (the seed JSON with 4 per device on 4 devices)."""
+  seed = {"train_batch_size": 32, "gradient_accumulation_steps": 1,
+          "train_micro_batch_size_per_gpu": 4}
+  err(seed, "32 != 4 * 1 * 4 (gradient_accumulation_steps 2 would make it "
+      "hold with the other two; or leave one of the three out", ws=4)
+  err(dict(seed, train_batch_size=30), "train_batch_size must be a multiple "
+      "of micro batch x devices = 16", ws=4)
+
+
 def test_batch_errors():
   err({"gradient_accumulation_steps": 2}, "Either train_batch_size or "
       "train_micro_batch_size_per_gpu needs to be provided")

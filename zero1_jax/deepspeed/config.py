@@ -243,10 +243,16 @@ def _resolve_batch(raw: Mapping, ws: int) -> tuple[int, int, int]:
     if value <= 0:
       raise ConfigError(f"{what}: {value} has to be greater than 0")
   if tb != mb * ga * ws:
+    # DeepSpeed's words, then which value would make the rule hold.
+    fix = (f"gradient_accumulation_steps {tb // (mb * ws)} would make it hold "
+           f"with the other two" if tb % (mb * ws) == 0 else
+           f"train_batch_size must be a multiple of micro batch x devices = "
+           f"{mb * ws}")
     raise ConfigError(
         "Check batch related parameters. train_batch_size is not equal to "
         "micro_batch_per_gpu * gradient_acc_step * world_size "
-        f"{tb} != {mb} * {ga} * {ws}")
+        f"{tb} != {mb} * {ga} * {ws} ({fix}; or leave one of the three out, "
+        f"or \"auto\" in zero1-train, and it is derived)")
   return tb, mb, ga
 
 
