@@ -85,8 +85,9 @@ def batch(size: int, seed: int = 1, dtype=jnp.float32):
           "y": np.asarray(r.normal(size=(size, OUT)), np.float32)}
 
 
-def optax_run(tx, params, batches, steps=None, loss=None):
-  """Unsharded optax on the global batch; float leaves only."""
+def optax_run(tx, params, batches, steps=None, loss=None, return_state=False):
+  """Unsharded optax on the global batch; float leaves only. The params, or
+  ``(params, state)`` with ``return_state``."""
   p = float_part(params)
   s = tx.init(p)
   loss = loss or loss_fn
@@ -99,7 +100,7 @@ def optax_run(tx, params, batches, steps=None, loss=None):
 
   for b in batches:
     p, s = one(p, s, b)
-  return p
+  return (p, s) if return_state else p
 
 
 def master_run(tx, params, batches, return_master=False, loss=None):

@@ -26,7 +26,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import zero1_jax as z1
-from helpers import assert_close, batch, float_part, loss_fn, mesh, odd_params
+from helpers import (assert_close, batch, float_part, loss_fn, mesh, odd_params,
+                     optax_run)
 
 STEPS, RTOL = 3, 1e-6
 BATCHES = [batch(16, seed=s) for s in range(STEPS)]
@@ -41,17 +42,7 @@ def sf_ref():
 
 def optax_ref(inner, params, loss=loss_fn):
   """Unsharded jitted optax on the float leaves: (params, state)."""
-  tx, p = inner(), float_part(params)
-  s = tx.init(p)
-
-  @jax.jit
-  def one(p, s, b):
-    u, s = tx.update(jax.grad(loss)(p, b), s, p)
-    return optax.apply_updates(p, u), s
-
-  for b in BATCHES:
-    p, s = one(p, s, b)
-  return p, s
+  return optax_run(inner(), params, BATCHES, loss=loss, return_state=True)
 
 
 def zero1_run(inner, params, msh, loss=loss_fn):
