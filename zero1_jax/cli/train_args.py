@@ -33,6 +33,23 @@ _INSTEAD = {
 }
 
 
+# Flags that fill (or set) one DeepSpeed key each: (flag, type, the key).
+_BATCH_AND_LR = (
+    ("--per_device_train_batch_size", int,
+     "train_micro_batch_size_per_gpu (fills an 'auto')"),
+    ("--gradient_accumulation_steps", int,
+     "gradient_accumulation_steps (fills an 'auto')"),
+    ("--train_batch_size", int,
+     "train_batch_size: micro batch x accumulation x devices"),
+    ("--learning_rate", float, "optimizer.params.lr (fills an 'auto')"))
+_HF_OPTIMIZER = (
+    ("--max_grad_norm", "gradient_clipping"),
+    ("--weight_decay", "optimizer.params.weight_decay"),
+    ("--adam_beta1", "optimizer.params.betas[0]"),
+    ("--adam_beta2", "optimizer.params.betas[1]"),
+    ("--adam_epsilon", "optimizer.params.eps"))
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="zero1-train", description="Train a Flax BERT-MLM with ZeRO stage 1 "
@@ -45,27 +62,13 @@ def _parser() -> argparse.ArgumentParser:
                  help="bert-tiny, bert-mini, bert-small, bert-medium, "
                  "bert-base-uncased or bert-large-uncased (architecture only, "
                  "random init; zero1_jax.models.bert.SIZES). Default: %(default)s")
-  p.add_argument("--per_device_train_batch_size", type=int, default=None,
-                 help="train_micro_batch_size_per_gpu (fills an 'auto')")
-  p.add_argument("--gradient_accumulation_steps", type=int, default=None,
-                 help="gradient_accumulation_steps (fills an 'auto')")
-  p.add_argument("--train_batch_size", type=int, default=None,
-                 help="train_batch_size: micro batch x accumulation x devices")
-  p.add_argument("--learning_rate", type=float, default=None,
-                 help="optimizer.params.lr (fills an 'auto')")
+  for flag, kind, key in _BATCH_AND_LR:
+    p.add_argument(flag, type=kind, default=None, help=key)
   h = p.add_argument_group(
       "HF Trainer flags", "each fills its key's 'auto' in the JSON, or sets "
       "the key; a JSON value that differs is an error naming both")
-  h.add_argument("--max_grad_norm", type=float, default=None,
-                 help="gradient_clipping")
-  h.add_argument("--weight_decay", type=float, default=None,
-                 help="optimizer.params.weight_decay")
-  h.add_argument("--adam_beta1", type=float, default=None,
-                 help="optimizer.params.betas[0]")
-  h.add_argument("--adam_beta2", type=float, default=None,
-                 help="optimizer.params.betas[1]")
-  h.add_argument("--adam_epsilon", type=float, default=None,
-                 help="optimizer.params.eps")
+  for flag, key in _HF_OPTIMIZER:
+    h.add_argument(flag, type=float, default=None, help=key)
   p.add_argument("--warmup_steps", type=int, default=None,
                  help="fills scheduler.params.warmup_num_steps='auto' (as the "
                  "HF Trainer does)")
