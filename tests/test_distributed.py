@@ -67,7 +67,7 @@ def final_params(tmp, out, step=None):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("dist")
-  two = train(tmp, "two")                  # 2 processes x 2 devices, 4 steps
+  two = train(tmp, "two", procs=2)         # 2 processes x 2 devices, 4 steps
   one = train(tmp, "one")                  # 1 process x 4 devices, 4 steps
   return tmp, two, one
 
