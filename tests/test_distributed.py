@@ -75,6 +75,10 @@ def runs(tmp_path_factory):
 def test_two_processes_train_like_one_process_with_four_devices(runs):
   tmp, two, one = runs
   assert two.stdout.count("weights start random") == 1     # process 0 only
+  # gloo's "[Gloo] Rank 1 is connected to 3 peer ranks. ..." lines (7 of them
+  # in the first step) are not relayed, nor are the numbers they leave behind
+  assert "Gloo" not in two.stdout and "peer ranks" not in two.stdout
+  assert not re.search(r"^\s*\d+\s*$", two.stdout, re.M), two.stdout
   for r in range(4):                                         # every rank logs
     assert f"[Rank {r}] After : optimizer state" in two.stdout
     assert f"[Rank {r}] Estimate: step needs" in two.stdout

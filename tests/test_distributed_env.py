@@ -62,3 +62,25 @@ def test_jax_coordinator_address_gives_process_0_only(monkeypatch):
                      r"1234 names process 0 only: .*--num_processes and "
                      r"--process_id"):
     distributed.initialize()
+
+
+# ------------------------------------------------------------ launcher output
+GLOO = ("[Gloo] Rank {r} is connected to {n} peer ranks. Expected number of "
+        "connected peer ranks is : {n}\n")
+
+
+@pytest.mark.parametrize("stream", [
+    # whole messages between our lines
+    "a\n" + GLOO.format(r=0, n=3) + GLOO.format(r=1, n=3) + "b\n\nc\n",
+    # two devices of one process printing at once (seen with 2 x 2 devices):
+    # the first message's count and newline land after the second message
+    "a\n" + GLOO.format(r=3, n=3)[:-2] + GLOO.format(r=2, n=3) + "3\nb\n\nc\n",
+    # a message cut by the other device's newline
+    "a\n[Gloo] Rank \n" + GLOO.format(r=1, n=1)[len("[Gloo] Rank "):] + "b\n\nc\n",
+])
+def test_launcher_relays_stdout_without_gloo_connection_lines(stream):
+  import io
+  from zero1_jax.cli.launch import relay
+  out = io.BytesIO()
+  relay(io.BytesIO(stream.encode()), out)
+  assert out.getvalue() == b"a\nb\n\nc\n"

@@ -2,15 +2,19 @@
 spawns 2 processes with 2 CPU devices each on 127.0.0.1, like
 ``deepspeed --num_gpus``. If any process fails, the others are stopped and
 the launcher exits non-zero with one line saying which one. Ctrl-C stops
-every process as it stops a lone one (exit 130)."""
+every process as it stops a lone one (exit 130). The processes' stdout
+passes through the launcher, whole lines at a time, less gloo's connection
+lines."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 # Set in each process's environment: a process that stopped after a Ctrl-C
@@ -27,6 +31,56 @@ class _Blocked(Exception):
 def _blocked(signum, frame):
   del signum, frame
   raise _Blocked
+
+
+# gloo (jax's CPU collectives) prints to stdout, per device and communicator,
+# "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected
+# peer ranks is : 3": 2 x 2 devices printed 7 such lines in the first step.
+# Two devices of a process print at once, one piece at a time, so the pieces
+# of two messages interleave and a message's numbers or newline can land on
+# the next line: the fixed pieces are removed wherever they are, and a line
+# left with nothing but the messages' numbers is dropped.
+_GLOO = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. |"
+                   rb"Expected number of connected peer ranks is : ")
+_START = b"[Gloo] Rank "
+
+
+def relay(pipe, out) -> None:
+  """Copies ``pipe`` to ``out`` (a binary stream) line by line until EOF,
+  less gloo's connection messages (:data:`_GLOO`)."""
+  owed = 0     # gloo messages whose newline has not been seen yet
+  for line in iter(pipe.readline, b""):
+    owed += line.count(_START)
+    kept, n = _GLOO.subn(b"", line)
+    rest = kept.strip()
+    if (n or owed > 0) and (not rest or rest.isdigit()):
+      owed = max(0, owed - 1)     # this line held a message's newline
+      continue
+    out.write(kept)
+    out.flush()
+  pipe.close()
+
+
+def _relays(procs: list[subprocess.Popen]) -> list[threading.Thread]:
+  out = getattr(sys.stdout, "buffer", None)
+  if out is None:   # a text-only stdout (a test's capture)
+    out = _TextOut(sys.stdout)
+  threads = [threading.Thread(target=relay, args=(p.stdout, out), daemon=True)
+             for p in procs]
+  for t in threads:
+    t.start()
+  return threads
+
+
+class _TextOut:
+  def __init__(self, stream):
+    self.stream = stream
+
+  def write(self, b: bytes) -> None:
+    self.stream.write(b.decode(errors="replace"))
+
+  def flush(self) -> None:
+    self.stream.flush()
 
 
 def free_port() -> int:
@@ -55,15 +109,18 @@ def launch_local(module: str, argv: list[str], num_processes: int,
   for i in range(num_processes); returns the job's exit code."""
   address = f"127.0.0.1:{free_port()}"
   env = {**os.environ, LAUNCHER_PID: str(os.getpid()),
-         "ZERO1_LOCAL_PROCESSES": str(num_processes)}   # share the host's RAM
+         "ZERO1_LOCAL_PROCESSES": str(num_processes),   # share the host's RAM
+         "PYTHONUNBUFFERED": "1"}   # stdout is the relay's pipe: no delay
   old = signal.signal(signal.SIGUSR1, _blocked)
   # Each in its own session: a Ctrl-C reaches the launcher alone, which hands
   # exactly one SIGINT to every process (a second one would abandon a save).
   procs = [subprocess.Popen([sys.executable, "-m", module, *argv,
                              "--process_id", str(i),
                              "--coordinator_address", address],
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env,
+                            stdout=subprocess.PIPE)
            for i in range(num_processes)]
+  relays = _relays(procs)
   try:
     try:
       return _watch(procs, prog)
@@ -78,6 +135,8 @@ def launch_local(module: str, argv: list[str], num_processes: int,
   finally:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     _stop(procs)
+    for t in relays:   # every line printed before the exit
+      t.join(timeout=5.0)
     signal.signal(signal.SIGUSR1, old)
 
 
