@@ -349,6 +349,12 @@ def test_nnx_optimizer_on_auto_axes_needs_no_specs():
     model, ref_model = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
     opt = nnx.Optimizer(model, z1.zero1(optax.adam(1e-2), axis_name="data"),
                         wrt=nnx.Param)
+    # Sharded over "data" from the start: state leaves wrapped like the params
+    # took their (None, "model") metadata, which nnx.Optimizer applied (every
+    # moment replicated over "data", 4x the bytes, until the first update).
+    created = [x for x in jax.tree.leaves(nnx.state(opt, nnx.OptState)) if x.ndim]
+    assert created and all("data" in str(x.sharding.spec) for x in created), [
+        (x.shape, x.sharding.spec) for x in created]
 
     @nnx.jit
     def step(model, opt, b):
@@ -367,3 +373,29 @@ def test_nnx_optimizer_on_auto_axes_needs_no_specs():
   kernel = next(x for x in got if x.shape == (5, 8))
   assert kernel.sharding.spec == P(None, "model")
   jax.tree.map(close, got, want)
+
+
+def test_tx_update_on_nnx_state_trees_matches_optax():
+  """tx.init / tx.update called on ``nnx.state`` trees directly: the state
+  holds bare arrays (sharded over "data"), the updates come back in the
+  params' Variables, and optax.apply_updates gives plain optax's weights."""
+  from flax import nnx
+  msh = mesh2(4, 2)
+  with jax.set_mesh(msh):
+    m = nnx.Linear(5, 4, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), (None, "model")))
+    params = nnx.state(m, nnx.Param)
+    tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+    state = tx.init(params)
+    assert not any(isinstance(x, nnx.Variable) for x in jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    ref = optax.adam(1e-2)
+    ref_params, ref_state = params, ref.init(params)
+    for k in range(3):
+      grads = jax.tree.map(lambda p: jnp.cos(p + k), params)
+      updates, state = jax.jit(tx.update)(grads, state, params)
+      assert jax.tree.structure(updates) == jax.tree.structure(params)
+      params = optax.apply_updates(params, updates)
+      ref_updates, ref_state = ref.update(grads, ref_state, ref_params)
+      ref_params = optax.apply_updates(ref_params, ref_updates)
+  jax.tree.map(close, jax.tree.leaves(params), jax.tree.leaves(ref_params))

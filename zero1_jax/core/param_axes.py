@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -109,10 +110,34 @@ def _boxed(x) -> bool:
   return hasattr(x, "names") and callable(getattr(x, "unbox", None))
 
 
+def _variable(x) -> bool:
+  """A Flax ``nnx.Variable`` (what ``nnx.state(model)`` holds)."""
+  nnx = sys.modules.get("flax.nnx")    # not imported: there are none
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
 def unbox(params: Any) -> Any:
   """``params`` with Flax partitioning boxes replaced by their values."""
   return jax.tree.map(lambda x: x.unbox() if _boxed(x) else x, params,
                       is_leaf=_boxed)
+
+
+def strip_variables(tree: Any) -> Any:
+  """``tree`` with nnx ``Variable`` wrappers replaced by their values (Linen
+  boxes stay). ``tx.init`` builds the state from the bare arrays: state
+  leaves wrapped like the params carry the params' sharding metadata, which
+  ``nnx.Optimizer`` applies to them (on a 2-D mesh: every moment replicated
+  over the data axis until the first update)."""
+  return jax.tree.map(lambda x: x.get_value() if _variable(x) else x, tree,
+                      is_leaf=_variable)
+
+
+def rewrap_variables(like: Any, tree: Any) -> Any:
+  """``tree``, as :func:`strip_variables` left ``like``, back in ``like``'s
+  ``Variable`` wrappers (same leaves, in order)."""
+  if not any(map(_variable, jax.tree.leaves(like, is_leaf=_variable))):
+    return tree
+  return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(tree))
 
 
 def _spec_of(x) -> Any:

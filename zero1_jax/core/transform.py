@@ -231,6 +231,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                       _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
+    params = pax.strip_variables(params)   # the state holds bare arrays
     if not jm.axis_bound(axis):   # plain jit / eager under a mesh
       return jm.init(tx, lambda p, pa: init_from(p, p, param_axes=pa), params)
     return init_from(params, params)
@@ -353,9 +354,13 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     if params is None:
       raise ValueError("zero1: update needs params (call "
                        "tx.update(grads, state, params)).")
+    like = params
+    grads, params = pax.strip_variables(grads), pax.strip_variables(params)
     if not jm.axis_bound(axis):   # plain jit / eager under a mesh
-      return jm.update(tx, update_as, grads, state, params)
-    return update_as(grads, state, params, jm.LOCAL)
+      updates, new_state = jm.update(tx, update_as, grads, state, params)
+    else:
+      updates, new_state = update_as(grads, state, params, jm.LOCAL)
+    return pax.rewrap_variables(like, updates), new_state
 
   def update_as(grads, state, params, grads_are, param_axes=None):
     new_params, new_state, _ = apply_fn(grads, state, params, grads_are,
