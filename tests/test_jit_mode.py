@@ -171,6 +171,17 @@ def test_reduced_params_one_reduce_scatter_no_all_reduce(reduced4, plain4):
   assert hlo["all-gather"] == plain4[1]["all-gather"]
   for p in jax.tree.leaves(state.params):   # still reduced after the updates
     assert jax.typeof(p).sharding.spec.reduced == {"data"}, jax.typeof(p)
+  # The README's way back to plain params for use outside the step (eval,
+  # metrics): reshard to P(), the values unchanged (no N x sum), and a
+  # reduced leaf plus a plain array, refused before, now works.
+  with jax.set_mesh(mesh(4)):
+    plain = jax.sharding.reshard(state.params, P())
+    for p, q in zip(jax.tree.leaves(state.params), jax.tree.leaves(plain)):
+      assert not jax.typeof(q).sharding.spec.reduced, jax.typeof(q)
+      np.testing.assert_array_equal(np.asarray(q), np.asarray(p))
+      if jnp.issubdtype(q.dtype, jnp.floating):
+        np.testing.assert_array_equal(np.asarray(q + jnp.ones(q.shape, q.dtype)),
+                                      np.asarray(p) + 1)
 
 
 def test_bf16_params_are_the_master_cast_and_gather_bf16():
