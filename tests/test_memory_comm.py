@@ -178,3 +178,23 @@ def test_in_place_peak_is_the_floor_plus_sharded_state(in_place_vs_packed):
           for k in ("in_place", "packed")}
   assert peak["in_place"] <= budget, (peak, budget)
   assert peak["packed"] > peak["in_place"]
+
+
+def test_memory_before_anything_is_allocated():
+  """The README's "will it fit" check: z1.inspect.memory of the step on
+  jax.eval_shape(z1.init ...) and shape-only batches gives the same bytes as
+  on real arrays, so a model too big for the devices can be measured first."""
+  m = mesh(4)
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  shapes = {"w": jax.ShapeDtypeStruct((37, 19), jnp.float32),
+            "b": jax.ShapeDtypeStruct((19,), jnp.float32)}
+  loss = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w"] + p["b"])) ** 2)
+  step = z1.train_step(loss, tx, m)
+  batch = {"x": jax.ShapeDtypeStruct((8, 37), jnp.float32)}
+  abstract = z1.inspect.memory(
+      step, *jax.eval_shape(lambda p: z1.init(tx, p, m), shapes), batch)
+  params, state = z1.init(tx, jax.tree.map(lambda s: jnp.ones(s.shape), shapes), m)
+  x = jax.device_put(jnp.ones((8, 37)), jax.sharding.NamedSharding(
+      m, jax.sharding.PartitionSpec("data")))
+  assert abstract == z1.inspect.memory(step, params, state, {"x": x})
+  assert abstract["peak"] > 0
