@@ -22,6 +22,43 @@ import threading
 from typing import Iterator
 
 ABANDONED = 130   # the shell's exit status for SIGINT
+_PENDING = threading.Event()   # a Ctrl-C not yet handled (see remembered)
+
+
+@contextlib.contextmanager
+def remembered() -> Iterator[None]:
+  """Ctrl-C raises KeyboardInterrupt as by default, and is remembered until
+  :func:`handled`: one that lands while the main thread runs a garbage-
+  collector callback (jax's ``_xla_gc_callback``) is swallowed there
+  ("Exception ignored in ...") and the run went on to its end with exit 0;
+  :func:`check` raises it again at the next step. Another handler already
+  installed (or SIGINT ignored) is left alone."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    yield
+    return
+
+  def record(signum, frame):
+    _PENDING.set()
+    signal.default_int_handler(signum, frame)
+
+  signal.signal(signal.SIGINT, record)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _PENDING.clear()
+
+
+def check() -> None:
+  """Raises KeyboardInterrupt if a Ctrl-C was swallowed (:func:`remembered`)."""
+  if _PENDING.is_set():
+    raise KeyboardInterrupt
+
+
+def handled() -> None:
+  """The Ctrl-C reached its handler: :func:`check` forgets it."""
+  _PENDING.clear()
 
 
 def _main_thread_handler() -> object | None:

@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> dict | None:
                         disable=log_lines or not main_process)
   t0 = time.perf_counter()
   try:
+    interrupt.check()
     if engine.global_steps < args.max_steps:
       _compiled_check(engine, batches, est, args, main_process)
       t0 = time.perf_counter()
@@ -178,6 +179,7 @@ def run(args: argparse.Namespace) -> dict | None:
     with interrupt.deferred_sigint():
       engine.wait_checkpoints()
   except KeyboardInterrupt:
+    interrupt.handled()
     bar.close()
     msg = _interrupted(engine, history, args, ckpt_dir, main_process)
     raise common.Interrupted(msg if main_process else "") from None
@@ -228,6 +230,7 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
   """The step loop: train, log, save every ``--save_steps``."""
   every = train_args.logging_interval(args, cfg.steps_per_print)
   while engine.global_steps < args.max_steps:
+    interrupt.check()
     t = time.perf_counter()
     m = engine.train_batch(batches.batch_at(engine.global_steps))
     row = {"step": engine.global_steps, "loss": common.finite(m["loss"]),
@@ -294,7 +297,8 @@ def main(argv=None) -> int:
     from zero1_jax.cli import launch
     return launch.launch_local("zero1_jax.cli.train", argv, args.num_processes)
   common.setup_logging()
-  code = common.guarded(run, args, "zero1-train")
+  with interrupt.remembered():
+    code = common.guarded(run, args, "zero1-train")
   if code == 130 and _multi_process():
     _leave_after_interrupt()
   return code
@@ -326,5 +330,20 @@ def _leave_after_interrupt() -> None:
     os._exit(130)
 
 
+def cli() -> None:
+  """The ``zero1-train`` command: :func:`main`, and after a Ctrl-C an exit
+  that skips the interpreter's teardown. Interrupted while starting, XLA may
+  still be compiling on its own threads, and tearing the runtime down under
+  them crashed (exit 139 instead of 130, 13 times in 20). The saves are
+  settled by then (committed, or abandoned by a second Ctrl-C)."""
+  code = main()
+  if code == 130:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(130)
+  sys.exit(code)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  cli()
