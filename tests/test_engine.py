@@ -159,22 +159,25 @@ def test_max_to_keep_holds_after_a_load(tmp_path):
     z1.checkpoint.Checkpointer(tmp_path / "other", max_to_keep=0)
 
 
-def test_get_lr_is_the_rate_each_step_used():
-  """DeepSpeed's engine.get_lr(): one value per parameter group (one here),
-  the scheduler's rate of the step just taken. WarmupLR 'linear' from 0 to
-  0.1 over 4 steps (DeepSpeed 0.19.8 runtime/lr_schedules.py): the first step
-  runs at warmup_min_lr (set at construction, last_batch_iteration -1), step
-  k >= 2 at 0.1 * (k - 2) / 4 (iteration k - 2 after k - 1 scheduler steps)."""
+def test_get_lr_is_the_rate_of_the_next_update_as_deepspeeds():
+  """DeepSpeed's engine.get_lr() reads the optimizer's rate, which its
+  scheduler sets after each applied update: the rate of the *next* update,
+  one value per parameter group (one here). WarmupLR 'linear' from 0 to 0.1
+  over 4 steps (DeepSpeed 0.19.8 runtime/lr_schedules.py): the first update
+  runs at warmup_min_lr (set at construction, last_batch_iteration -1),
+  update k >= 2 at 0.1 * (k - 2) / 4 (iteration k - 2). So get_lr() before
+  any step and after each of 5 is 0, 0, 0.025, 0.05, 0.075, 0.1 (the rates
+  the updates themselves use are test_config_optim's)."""
   cfg = fp32_config(scheduler={"type": "WarmupLR", "params": {
       "warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 4,
       "warmup_type": "linear"}})
   e = z1.initialize(cfg, loss_fn=loss_fn, params=float_part(odd_params()),
                     mesh=mesh(2))
-  got = []
+  got = [e.get_lr()]
   for s in range(5):
     e.train_batch(batch(16, seed=s))
     got.append(e.get_lr())
-  np.testing.assert_allclose(np.ravel(got), [0.0, 0.0, 0.025, 0.05, 0.075],
+  np.testing.assert_allclose(np.ravel(got), [0.0, 0.0, 0.025, 0.05, 0.075, 0.1],
                              rtol=1e-6, atol=1e-9)
   assert all(len(g) == 1 for g in got)
 

@@ -231,13 +231,14 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
   every = train_args.logging_interval(args, cfg.steps_per_print)
   while engine.global_steps < args.max_steps:
     interrupt.check()
+    lr = next(iter(engine.get_lr()), None)   # the rate this update uses
     t = time.perf_counter()
     m = engine.train_batch(batches.batch_at(engine.global_steps))
     row = {"step": engine.global_steps, "loss": common.finite(m["loss"]),
            "grad_norm": common.finite(m["grad_norm"]),
            "skipped": bool(m["skipped"]),
            "loss_scale": float(m["loss_scale"]),
-           "lr": next(iter(engine.get_lr()), None),
+           "lr": lr,
            "samples_per_s": cfg.train_batch_size / (time.perf_counter() - t)}
     history.append(row)
     if main_process:

@@ -28,6 +28,7 @@ import numpy as np
 from zero1_jax.deepspeed import config as zconfig
 from zero1_jax import checkpoint, distributed, inspect
 from zero1_jax.deepspeed import optim as ds_optim
+from zero1_jax.deepspeed import schedules
 from zero1_jax.core import precision
 from zero1_jax.core import step as zstep
 from zero1_jax.core.transform import Zero1Transformation, zero1
@@ -236,16 +237,22 @@ class Engine:
     return float(self.opt_state.loss_scale.scale)
 
   def get_lr(self) -> list[float]:
-    """The learning rate of the last optimizer step (before the first: the
-    first step's), one per parameter group as DeepSpeed's ``get_lr()``
-    returns it: here always one group. A skipped step keeps the state, so
-    the rate of the last step applied."""
-    found = [x.hyperparams["learning_rate"] for x in jax.tree.leaves(
+    """DeepSpeed's ``get_lr()``: the rate the optimizer holds now, which is
+    the rate of the *next* update (DeepSpeed steps its scheduler after each
+    applied update; before the first, the first update's), one per parameter
+    group (one here). A skipped step does not advance it."""
+    states = [x for x in jax.tree.leaves(
         self.opt_state.inner, is_leaf=lambda x: isinstance(
             getattr(x, "hyperparams", None), dict))
-             if isinstance(getattr(x, "hyperparams", None), dict)
-             and "learning_rate" in x.hyperparams]
-    return [float(found[0])] if found else []
+              if isinstance(getattr(x, "hyperparams", None), dict)
+              and "learning_rate" in x.hyperparams]
+    if not states:
+      return []
+    lr = ds_optim.resolve_optimizer(self.config.optimizer)["lr"]
+    if self.config.scheduler is None:
+      return [float(lr)]
+    schedule = schedules.build_schedule(self.config.scheduler, lr)
+    return [float(schedule(jnp.asarray(states[0].count)))]
 
   def memory_report(self) -> dict:
     """Optimizer-state bytes (master copy + moments) measured from the live
