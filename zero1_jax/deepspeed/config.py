@@ -128,6 +128,8 @@ def _note(path: str, value) -> None:
   default, reason = keys.NOTES[path]
   if default is keys.ANY or (inactive(value) if default is keys.DICT
                          else _same(value, default)):
+    if inactive(value):   # switched off: nothing asked for, nothing to say
+      return
     key = f"{path}={value!r}"
     if key not in _NOTED:     # once per process, not once per re-validation
       _PENDING.append(f"{key} has no effect: {reason}")
@@ -151,7 +153,7 @@ def _section(raw: Mapping, key: str, cls) -> dict:
     if k not in fields and k not in notes:
       raise _unknown(k, key, set(fields) | notes)
     if v == "auto":  # DeepSpeedConfigModel drops "auto": the default applies
-      logger.info("zero1_jax: %s='auto' dropped; DeepSpeed's default applies",
+      logger.info("%s='auto' dropped; DeepSpeed's default applies",
                   path)
       continue
     if k in fields:
@@ -200,7 +202,7 @@ def _named(raw: Mapping, key: str, cls):
     if k not in allowed:
       raise _unknown(k, key, allowed)
   if "legacy_fusion" in d:
-    logger.info("zero1_jax: optimizer.legacy_fusion=%r has no effect: it picks"
+    logger.info("optimizer.legacy_fusion=%r has no effect: it picks"
                 " a fused CUDA kernel", d["legacy_fusion"])
   if not isinstance(d.get("type"), str):
     raise ConfigError(f"{key}.type must name the {key}, got {d.get('type')!r}")

@@ -2,8 +2,9 @@
 
 ``NOTES`` maps the keys that have no effect under XLA to (default, reason):
 a value equal to the default (``ANY``: any value; ``DICT``: a disabled
-section) logs one INFO line; any other value is a request zero1_jax cannot
-honour and raises a UserWarning. ``TOP_LEVEL`` is every accepted top-level
+section) logs one INFO line, unless it switches the feature off (false, 0,
+none, a disabled section: nothing is asked for); any other value is a
+request zero1_jax cannot honour and raises a UserWarning. ``TOP_LEVEL`` is every accepted top-level
 key; ``MINIMUM`` the lower bounds DeepSpeed enforces.
 """
 from __future__ import annotations

@@ -129,7 +129,7 @@ def resolve_optimizer(opt: OptimizerConfig, quiet: bool = True) -> dict:
     path = f"optimizer.params.{k}"
     if k in _NO_EFFECT:
       if k in p and not quiet:
-        logger.info("zero1_jax: %s=%r has no effect: %s", path, v,
+        logger.info("%s=%r has no effect: %s", path, v,
                     _NO_EFFECT[k])
     elif k == "betas":
       if not isinstance(v, (list, tuple)) or len(v) != 2:
@@ -252,7 +252,7 @@ def check(optimizer: OptimizerConfig | None,
     if (scheduler.type == "OneCycle" and optimizer is not None
         and schedules.build_momentum_schedule(scheduler) is not None):
       if "betas" in resolve_optimizer(optimizer):
-        logger.info("zero1_jax: OneCycle cycles beta1 in [cycle_min_mom, "
+        logger.info("OneCycle cycles beta1 in [cycle_min_mom, "
                     "cycle_max_mom] and sets beta2=0.99, as DeepSpeed does")
       else:
         logger.warning("cycle_momentum is disabled because optimizer %s does "
