@@ -140,3 +140,27 @@ def test_missing_config_is_named_before_a_used_output_dir(tmp_path, capsys):
   assert train.main(["--deepspeed", str(tmp_path / "missing.json"),
                      "--output_dir", str(out)]) == 2
   one_line_error(capsys, "missing.json", "no such file")
+
+
+def test_resume_with_another_global_batch_says_so(tmp_path, capsys):
+  """train_batch_size derived from the micro batch and the devices: resumed
+  at 2 devices instead of 4, the global batch halves. It trains on (as
+  DeepSpeed and the HF Trainer do) and one line says what changed; resumed
+  as it was, nothing is said."""
+  cfg = {k: v for k, v in CONFIG.items() if k != "train_batch_size"}
+  cfg["train_micro_batch_size_per_gpu"] = 2
+  out = tmp_path / "o"
+  assert run(tmp_path, out, "--max_steps", "2", "--save_steps", "2",
+             config=cfg) == 0
+  assert run(tmp_path, out, "--max_steps", "3", "--save_steps", "3",
+             "--resume", "latest", config=cfg) == 0
+  assert "global batch changes" not in capsys.readouterr().out
+  path = tmp_path / "ds.json"
+  assert train.main(["--deepspeed", str(path), "--num_devices", "2",
+                     "--model_name_or_path", "bert-tiny", "--seq_len", "16",
+                     "--no_progress", "--output_dir", str(out), "--max_steps",
+                     "4", "--resume", "latest"]) == 0
+  printed = capsys.readouterr().out
+  assert ("note: the global batch changes at step 3 from 8 to 4 sequences "
+          "(2 per device x 1 accumulation x 2 devices)") in printed, printed
+  assert steps(out) == [1, 2, 3, 4]

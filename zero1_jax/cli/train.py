@@ -116,7 +116,7 @@ def _resume(engine, args, ckpt_dir) -> None:
   from zero1_jax import checkpoint
   tag = None if args.resume in ("latest", "latest-valid") else int(args.resume)
   try:
-    extra = engine.load_checkpoint(
+    _, extra = engine.load_checkpoint(
         ckpt_dir, tag, fallback_to_valid=args.resume == "latest-valid")
   except checkpoint.UnreadableCheckpointError as e:
     if args.resume != "latest":
@@ -126,7 +126,27 @@ def _resume(engine, args, ckpt_dir) -> None:
   print(f"[zero1-train] resumed from {ckpt_dir} at step {engine.global_steps} "
         f"(data position {extra.get('data_step', engine.global_steps)})",
         flush=True)
+  _report_batch_change(engine, args.output_dir)
   _report_unfinished_saves(ckpt_dir)
+
+
+def _report_batch_change(engine, output_dir: str) -> None:
+  """A resume with another global batch (other --num_devices or micro batch
+  with a derived train_batch_size) trains on, as DeepSpeed and the HF
+  Trainer do, but says so: the run's ds_config.json is rewritten with it."""
+  try:
+    with open(os.path.join(output_dir, "ds_config.json")) as f:
+      before = json.load(f)["train_batch_size"]
+  except (OSError, ValueError, KeyError):
+    return
+  cfg = engine.config
+  if before != cfg.train_batch_size:
+    print(f"[zero1-train] note: the global batch changes at step "
+          f"{engine.global_steps} from {before} to {cfg.train_batch_size} "
+          f"sequences ({cfg.train_micro_batch_size_per_gpu} per device x "
+          f"{cfg.gradient_accumulation_steps} accumulation x {cfg.world_size} "
+          f"devices); the data order from here differs from a run at "
+          f"{before}", flush=True)
 
 
 class _DropOrbaxTmpNotice(logging.Filter):
