@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import zero1_jax as z1
+from zero1_jax import checkpoint
 from zero1_jax.deepspeed import engine as zengine
 from zero1_jax.deepspeed.config import ConfigError
 from helpers import (SEED_CONFIG, assert_close, batch, deepspeed_clip,
@@ -123,17 +124,26 @@ def test_engine_checkpoint_restores_at_another_n(tmp_path):
   a = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(4))
   for b in bs[:3]:
     a.train_batch(b)
-  a.save_checkpoint(tmp_path / "ckpt", extra={"data_step": 3})
+  a.save_checkpoint(tmp_path / "ckpt", client_state={"data_step": 3})
   a.wait_checkpoints()
   for b in bs[3:]:
     a.train_batch(b)
   c = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
-  extra = c.load_checkpoint(tmp_path / "ckpt")
-  assert extra["data_step"] == 3 and c.global_steps == 3
+  # DeepSpeed's return: (the step's directory, the client_state saved)
+  path, client_state = c.load_checkpoint(tmp_path / "ckpt")
+  assert path == str(tmp_path / "ckpt" / "3")
+  assert client_state["data_step"] == 3 and c.global_steps == 3
   for b in bs[3:]:
     c.train_batch(b)
   assert c.global_steps == a.global_steps == 6
   assert_close(c.params, a.params, 1e-6, "N=4 -> N=2 ")
+  # a mistyped directory is an error that creates nothing; a DeepSpeed tag
+  # says what to write instead
+  with pytest.raises(checkpoint.UnreadableCheckpointError, match="does not exist"):
+    c.load_checkpoint(tmp_path / "ckpt_typo")
+  assert not (tmp_path / "ckpt_typo").exists()
+  with pytest.raises(ValueError, match="is tag=12"):
+    c.save_checkpoint(tmp_path / "ckpt", tag="global_step12")
 
 
 def test_max_to_keep_holds_after_a_load(tmp_path):

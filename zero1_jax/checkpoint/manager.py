@@ -330,6 +330,7 @@ class Checkpointer:
     meta = self._read_json(step, "meta")
     extra = self._read_json(step, "extra")
     p_t, s_t = reshard.check(meta, tx, params_template, mesh, where)
+    self.restored_step = step   # which one "latest" / a fallback turned out
 
     def args(t: reshard.Target, strict: bool, partial: bool = False):
       restore_args = {

@@ -188,34 +188,60 @@ class Engine:
       self._ckpts[key] = checkpoint.Checkpointer(key, max_to_keep=max_to_keep)
     return self._ckpts[key]
 
-  def save_checkpoint(self, save_dir, tag: int | None = None, *,
+  def save_checkpoint(self, save_dir, tag: int | None = None,
+                      client_state: dict | None = None, *,
                       extra: dict | None = None,
                       max_to_keep: int | None = None) -> int:
-    """Saves params, sharded state, loss scale, counters and the config.
+    """Saves params, sharded state, loss scale, counters and the config;
+    returns the step saved under.
 
     Each device writes only its own shards; the save is asynchronous (the
     next step may start at once; :meth:`wait_checkpoints` blocks). ``tag``
-    is the step number to save under (default: ``global_steps``).
+    is the step number to save under (default: ``global_steps``; DeepSpeed's
+    ``"global_step12"`` tags are step numbers here: ``tag=12``).
+    ``client_state`` (DeepSpeed's name; ``extra`` is the same) is a JSON-able
+    dict that :meth:`load_checkpoint` returns.
     """
+    if client_state is not None and extra is not None:
+      raise ValueError("save_checkpoint: give client_state or extra, not both "
+                       "(they are the same thing)")
+    if tag is not None and not str(tag).isdigit():
+      raise ValueError(
+          f"save_checkpoint: tag={tag!r}: tags are step numbers here (a "
+          f"DeepSpeed tag 'global_step12' is tag=12); the default is "
+          f"global_steps ({self.global_steps})")
     step = self.global_steps if tag is None else int(tag)
     extra = {"global_steps": self.global_steps,
-             "skipped_steps": self.skipped_steps, **(extra or {})}
+             "skipped_steps": self.skipped_steps,
+             **(client_state if client_state is not None else extra or {})}
     self._checkpointer(save_dir, max_to_keep, saving=True).save(
         step, self.params, self.opt_state, extra=extra,
         config=self.config.to_dict(), force=True)
     return step
 
   def load_checkpoint(self, load_dir, tag: int | None = None, *,
-                      fallback_to_valid: bool = False) -> dict:
+                      fallback_to_valid: bool = False) -> tuple[str, dict]:
     """Restores the newest (or ``tag``) checkpoint, at this engine's N
-    whatever N it was saved at; returns the saved ``extra``."""
+    whatever N it was saved at. Returns ``(load_path, client_state)`` as
+    DeepSpeed does: the step's directory, and the dict saved with it
+    (``client_state`` / ``extra``, plus ``global_steps`` and
+    ``skipped_steps``).
+
+    Raises:
+      zero1_jax.checkpoint.UnreadableCheckpointError: ``load_dir`` does not
+        exist (nothing is created), holds no committed step, or the step is
+        damaged.
+    """
+    if "://" not in str(load_dir) and not os.path.isdir(load_dir):
+      raise checkpoint.UnreadableCheckpointError(
+          f"zero1 checkpoint: {os.path.abspath(load_dir)} does not exist")
     ckpt = self._checkpointer(load_dir)
     self.params, self.opt_state, extra = ckpt.restore(
         tag, self.tx, self.params, self.mesh,
         fallback_to_valid=fallback_to_valid)
     self.global_steps = int(extra.get("global_steps", 0))
     self.skipped_steps = int(extra.get("skipped_steps", 0))
-    return extra
+    return os.path.join(ckpt.directory, str(ckpt.restored_step)), extra
 
   def wait_checkpoints(self) -> None:
     for c in self._ckpts.values():
