@@ -38,10 +38,13 @@ def run_edited(tmp_path, config, **top_level):
 def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
   run_edited(tmp_path, SEED_JSON, train_batch_size=8)   # 2 per device x 4 devices
   out = capsys.readouterr().out
-  for r in range(4):
-    assert f"[Rank {r}] Zero Stage 1: optimizer state partitioned" in out
-    assert f"[Rank {r}] After : optimizer state" in out and "(1/4)" in out
+  # Rank 0's lines, as DeepSpeed (and the seed) print them; the other ranks
+  # of this process hold the same bytes: one line, not 3 more blocks
+  assert "[Rank 0] Zero Stage 1: optimizer state partitioned" in out
+  assert "[Rank 0] After : optimizer state" in out and "(1/4)" in out
   assert "[Rank 0] AllGather bucket size: 500000000" in out
+  assert "[Rank 1-3] the same as Rank 0" in out
+  assert not any(f"[Rank {r}] After" in out for r in (1, 2, 3)), out
   assert "weights start random (nothing is downloaded)" in out
   o = tmp_path / "out"
   rows = [json.loads(l) for l in open(o / "metrics.jsonl")]
@@ -63,8 +66,7 @@ def test_stage2_config_trains(tmp_path, capsys):
                    gradient_accumulation_steps=2)
   assert cfg["zero_optimization"]["stage"] == 2
   out = capsys.readouterr().out
-  for r in range(4):
-    assert f"[Rank {r}] Zero Stage 2: optimizer state and gradients partitioned" in out
+  assert "[Rank 0] Zero Stage 2: optimizer state and gradients partitioned" in out
   o = tmp_path / "out"
   rows = [json.loads(l) for l in open(o / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3]

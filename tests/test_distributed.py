@@ -79,15 +79,16 @@ def test_two_processes_train_like_one_process_with_four_devices(runs):
   # in the first step) are not relayed, nor are the numbers they leave behind
   assert "Gloo" not in two.stdout and "peer ranks" not in two.stdout
   assert not re.search(r"^\s*\d+\s*$", two.stdout, re.M), two.stdout
-  for r in range(4):                                         # every rank logs
+  for r in (0, 2):                     # each process: its first rank's lines
     assert f"[Rank {r}] After : optimizer state" in two.stdout
     assert f"[Rank {r}] Estimate: step needs" in two.stdout
+    assert f"[Rank {r + 1}] the same as Rank {r}" in two.stdout
   # the host's RAM is shared by the 2 x 2 simulated devices of both processes
   # (the launcher says how many share it): each rank's capacity is the one
   # process x 4 devices run's, within the host's RAM moving in between
   cap = lambda out, r: float(re.search(rf"\[Rank {r}\] Estimate: .* of "
                                        rf"([0-9.]+) GiB", out.stdout).group(1))
-  assert cap(two, 3) == pytest.approx(cap(one, 3), rel=0.2)
+  assert cap(two, 2) == pytest.approx(cap(one, 0), rel=0.2)
   assert_close(final_params(tmp, "two"), final_params(tmp, "one"), 1e-6,
                "2x2 vs 1x4 ")
   loss2 = [json.loads(l)["loss"] for l in open(tmp / "two" / "metrics.jsonl")]

@@ -69,9 +69,11 @@ def data_mesh(jax, num_devices: int | None, axis: str = "data"):
 
 
 def log_memory(engine, cfg, estimate=None) -> dict:
-  """The seed's per-rank lines, measured from the live sharded arrays; each
-  process reports the ranks (devices) it holds. ``estimate``: the
-  ``(MemoryEstimate, capacity, source)`` of cli/memory.py, printed beside."""
+  """The seed's per-rank lines, measured from the live sharded arrays: each
+  process prints them for the first rank (device) it holds, and for any
+  other whose bytes differ; the rest are one line ("same as"), not N
+  identical blocks. ``estimate``: the ``(MemoryEstimate, capacity, source)``
+  of cli/memory.py, printed beside."""
   import jax
 
   from zero1_jax import inspect
@@ -79,11 +81,15 @@ def log_memory(engine, cfg, estimate=None) -> dict:
   state = (engine.opt_state.master, engine.opt_state.inner)
   n = engine.mesh.shape[engine.axis_name]
   before = sum(x.nbytes for x in jax.tree.leaves(state))
-  per_rank = {}
+  per_rank, same = {}, []
   for r, d in enumerate(engine.mesh.devices.flat):
     if d.process_index != jax.process_index():
       continue
     per_rank[r] = inspect.device_bytes(state, d)
+    first = next(iter(per_rank))
+    if r != first and per_rank[r] == per_rank[first]:
+      same.append(r)
+      continue
     stage = zengine.run_stage(cfg)
     what = ("optimizer state and gradients" if stage == 2
             else "optimizer state")
@@ -99,6 +105,11 @@ def log_memory(engine, cfg, estimate=None) -> dict:
             f"{gib(cap)}")
     print(f"[Rank {r}] AllGather bucket size: "
           f"{int(cfg.zero.allgather_bucket_size)}", flush=True)
+  if same:
+    ranks = (f"{same[0]}-{same[-1]}" if len(same) > 1 and
+             same == list(range(same[0], same[-1] + 1))
+             else ", ".join(map(str, same)))
+    print(f"[Rank {ranks}] the same as Rank {next(iter(per_rank))}", flush=True)
   return {"replicated_bytes": before, "ranks": list(per_rank),
           "zero1_bytes_per_rank": list(per_rank.values()), "num_devices": n}
 
