@@ -88,6 +88,22 @@ def test_engine_raises_like_deepspeed_at_minimum_scale():
     engine.train_batch(batch(32))
 
 
+def test_engine_at_minimum_scale_with_hysteresis_left_raises_only_when_due():
+  """DeepSpeed's DynamicLossScaler (runtime/fp16/loss_scaler.py): at the
+  minimum scale with hysteresis 2, the first overflow only uses up one
+  hysteresis (skipped, no error); the second, due to halve, raises."""
+  cfg = {**SEED_CONFIG, "fp16": {"enabled": True, "initial_scale_power": 0,
+                                 "hysteresis": 2, "min_loss_scale": 1}}
+  boom = lambda p, b: loss_fn(p, b) * jnp.inf
+  engine = z1.initialize(cfg, loss_fn=boom, params=float_part(odd_params()),
+                         mesh=mesh(4))
+  assert engine.loss_scale == 1.0
+  engine.train_batch(batch(32))                       # hysteresis 2 -> 1
+  assert engine.skipped_steps == 1
+  with pytest.raises(RuntimeError, match="loss scale already at minimum"):
+    engine.train_batch(batch(32))
+
+
 def test_engine_bad_input():
   engine = z1.initialize(fp32_config(), loss_fn=loss_fn,
                          params=float_part(odd_params()), mesh=mesh(4))

@@ -159,18 +159,24 @@ class Engine:
           f"{self.config.world_size}).")
     if jax.process_count() > 1:   # each process keeps only its own rows
       batch = distributed.global_batch(batch, self.mesh, self.axis_name)
+    f = self.config.fp16
+    dynamic = f.enabled and f.dynamic_loss_scale
+    # DeepSpeed raises on an overflow only where it would halve the scale
+    # (hysteresis used up) and the scale is at its minimum already.
+    due = dynamic and (int(f.hysteresis) == 1 or
+                       int(self.opt_state.loss_scale.hysteresis) == 1)
     self.params, self.opt_state, metrics = self._step(
         self.params, self.opt_state, batch)
     self.global_steps += 1
     if bool(metrics["skipped"]):
       self.skipped_steps += 1
-      f = self.config.fp16
-      if (f.enabled and f.dynamic_loss_scale
-          and float(metrics["loss_scale"]) <= float(f.min_loss_scale)):
+      if due and float(metrics["loss_scale"]) <= float(f.min_loss_scale):
+        lower = (", or lower fp16.min_loss_scale" if float(f.min_loss_scale) > 1
+                 else "")
         raise RuntimeError(
             "Current loss scale already at minimum - cannot decrease scale "
             f"anymore (fp16.min_loss_scale={f.min_loss_scale}). Lower the "
-            "learning rate, use bf16, or lower fp16.min_loss_scale.")
+            f"learning rate, or use bf16{lower}.")
     return metrics
 
   # -- checkpoints (orbax; see zero1_jax.checkpoint) -------------------------
