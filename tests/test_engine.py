@@ -1,6 +1,7 @@
 """initialize() / Engine: a DeepSpeed config drives the zero1 step."""
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -235,3 +236,31 @@ def test_stage_0_runs_as_stage_1_with_stage_0s_overflow_rule(caplog):
   assert bool(e1.train_batch(nan)["skipped"])
   assert not np.isfinite(np.asarray(e0.params["dense"]["kernel"])).all()
   assert np.isfinite(np.asarray(e1.params["dense"]["kernel"])).all()
+
+
+def test_deepspeed_engine_calls_name_what_to_use():
+  """A ported DeepSpeed loop's calls: train_batch_size() works as a method
+  too; forward/backward/step and the rest raise naming the replacement;
+  initialize(model=..., model_parameters=...) says what it takes."""
+  e = z1.initialize(fp32_config(), loss_fn=loss_fn,
+                    params=float_part(odd_params()), mesh=mesh(2))
+  assert e.train_batch_size == e.train_batch_size() == 16
+  for name, fix in (("backward", "engine.train_batch(batch)"),
+                    ("step", "engine.train_batch(batch)"),
+                    ("get_global_grad_norm", "['grad_norm']"),
+                    ("was_step_applied", "['skipped']"),
+                    ("module", "engine.params"),
+                    ("gradient_accumulation_steps",
+                     "engine.config.gradient_accumulation_steps")):
+    with pytest.raises(AttributeError, match=re.escape(fix)):
+      getattr(e, name)
+  with pytest.raises(AttributeError, match="has no attribute 'nonsense'"):
+    e.nonsense
+  with pytest.raises(TypeError, match=re.escape("engine.train_batch(batch)")):
+    e(batch(16))
+  with pytest.raises(TypeError, match="model, model_parameters.*loss_fn="):
+    z1.initialize(model=object(), model_parameters=[], config=fp32_config())
+  with pytest.raises(TypeError, match="unexpected keyword argument 'modle'"):
+    z1.initialize(fp32_config(), loss_fn, {}, modle=1)
+  with pytest.raises(TypeError, match="needs loss_fn, params"):
+    z1.initialize(fp32_config())

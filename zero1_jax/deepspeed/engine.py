@@ -27,6 +27,7 @@ import numpy as np
 
 from zero1_jax.deepspeed import config as zconfig
 from zero1_jax import checkpoint, distributed, inspect
+from zero1_jax.deepspeed import ds_names
 from zero1_jax.deepspeed import optim as ds_optim
 from zero1_jax.deepspeed import schedules
 from zero1_jax.core import precision
@@ -136,7 +137,17 @@ class Engine:
 
   @property
   def train_batch_size(self) -> int:
-    return self.config.train_batch_size
+    """An int; ``engine.train_batch_size()`` (DeepSpeed's form) works too."""
+    return ds_names.CallableInt(self.config.train_batch_size)
+
+  def __getattr__(self, name: str):
+    # only reached when the attribute does not exist: DeepSpeed's names
+    # say what to use instead
+    raise AttributeError(ds_names.hint(name) or
+                         f"'Engine' object has no attribute {name!r}")
+
+  def __call__(self, *args, **kwargs):
+    raise TypeError(ds_names.hint("forward"))
 
   def train_batch(self, batch: Any) -> dict:
     """One optimizer step on ``train_batch_size`` examples.
@@ -296,12 +307,12 @@ class Engine:
             "num_devices": self.mesh.shape[self.axis_name]}
 
 
-def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig,
-               loss_fn: Callable, params: Any,
+def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig
+               = None, loss_fn: Callable = None, params: Any = None,
                mesh: jax.sharding.Mesh | None = None, *, axis_name: str = "data",
                has_aux: bool = False, coordinator_address: str | None = None,
-               num_processes: int | None = None, process_id: int | None = None
-               ) -> Engine:
+               num_processes: int | None = None, process_id: int | None = None,
+               **deepspeed_kwargs: Any) -> Engine:
   """DeepSpeed's ``deepspeed.initialize`` for a JAX loss function.
 
   Args:
@@ -314,7 +325,23 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig,
     coordinator_address, num_processes, process_id: join a multi-process
       runtime first (:func:`zero1_jax.distributed.initialize`); must come
       before anything touches the devices.
+
+  Raises:
+    TypeError: DeepSpeed's torch keywords (``model=``, ``model_parameters=``,
+      ...), with what to pass instead.
   """
+  unknown = set(deepspeed_kwargs) - set(ds_names.INITIALIZE_KWARGS)
+  if unknown:
+    raise TypeError(f"initialize() got an unexpected keyword argument "
+                    f"{sorted(unknown)[0]!r}")
+  if deepspeed_kwargs:
+    raise ds_names.initialize_error(deepspeed_kwargs)
+  missing = [n for n, v in (("config", config), ("loss_fn", loss_fn),
+                            ("params", params)) if v is None]
+  if missing:
+    raise TypeError(f"initialize() needs {', '.join(missing)}: "
+                    f"initialize(config=..., loss_fn=(params, batch) -> loss, "
+                    f"params=..., mesh=...)")
   distributed.initialize(coordinator_address, num_processes, process_id)
   if mesh is None:
     mesh = jax.make_mesh((jax.device_count(),), (axis_name,))
