@@ -159,8 +159,18 @@ def test_resume_with_another_global_batch_says_so(tmp_path, capsys):
   assert train.main(["--deepspeed", str(path), "--num_devices", "2",
                      "--model_name_or_path", "bert-tiny", "--seq_len", "16",
                      "--no_progress", "--output_dir", str(out), "--max_steps",
-                     "4", "--resume", "latest"]) == 0
+                     "4", "--save_steps", "4", "--resume", "latest"]) == 0
   printed = capsys.readouterr().out
   assert ("note: the global batch changes at step 3 from 8 to 4 sequences "
           "(2 per device x 1 accumulation x 2 devices)") in printed, printed
+  assert steps(out) == [1, 2, 3, 4]
+  # resumed where it ended: says there is nothing to train (it said
+  # "4 steps (0 skipped) in 0.0s"), and --do_train from an HF command is fine
+  assert train.main(["--deepspeed", str(path), "--num_devices", "2",
+                     "--model_name_or_path", "bert-tiny", "--seq_len", "16",
+                     "--no_progress", "--output_dir", str(out), "--max_steps",
+                     "4", "--resume", "latest", "--do_train"]) == 0
+  last = capsys.readouterr().out.strip().splitlines()[-1]
+  assert last.startswith("[zero1-train] nothing to train: the run is at step 4 "
+                         "(--max_steps 4; a larger one continues it)"), last
   assert steps(out) == [1, 2, 3, 4]

@@ -30,10 +30,19 @@ def usage_error(capsys, *argv) -> str:
      "is its own launcher"),
     (["--resume_from_checkpoint", "x"], "use --resume latest|latest-valid|STEP"),
     (["--num_train_epochs", "3"], "use --max_steps"),
+    # an HF Trainer command's flags
+    (["--warmup_ratio", "0.1"], "use --warmup_steps N"),
+    (["--save_strategy", "steps"], "saves every --save_steps N steps"),
+    (["--report_to", "none"], "metrics go to OUTPUT_DIR/metrics.jsonl"),
+    (["--do_eval"], "does not evaluate"),
     (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
 ])
 def test_bad_flags_are_usage_errors(capsys, argv, message):
   assert message in usage_error(capsys, *argv)
+
+
+def test_do_train_from_an_hf_command_is_accepted():
+  assert train_args.parse_args([*BASE, "--do_train"]).do_train
 
 
 def test_save_total_limit_of_zero_or_less_keeps_all_as_hf_does():

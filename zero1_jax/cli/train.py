@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict | None:
   log_lines = args.no_progress or not common.has_progress_bar()
   bar = common.progress(args.max_steps, initial=engine.global_steps,
                         disable=log_lines or not main_process)
-  t0 = time.perf_counter()
+  t0, start = time.perf_counter(), engine.global_steps
   try:
     interrupt.check()
     if engine.global_steps < args.max_steps:
@@ -213,8 +213,14 @@ def run(args: argparse.Namespace) -> dict | None:
            f"{saved[0]}, {saved[1]}, ..., {saved[-1]}: {len(saved)}")
   where = (f"; checkpoints (steps {shown}) in {ckpt_dir}"
            if saved else "; no checkpoints (--save_steps)")
+  if engine.global_steps == start:   # resumed at --max_steps already
+    print(f"[zero1-train] nothing to train: the run is at step {start} "
+          f"(--max_steps {args.max_steps}; a larger one continues it); "
+          f"outputs in {args.output_dir}{where}", flush=True)
+    return summary
   print(f"[zero1-train] {engine.global_steps} steps ({engine.skipped_steps} "
-        f"skipped) in {wall:.1f}s; {common.loss_text(summary)}; outputs in "
+        f"skipped) in {wall:.1f}s of training (compiling before it not "
+        f"counted); {common.loss_text(summary)}; outputs in "
         f"{args.output_dir}{where}", flush=True)
   return summary
 

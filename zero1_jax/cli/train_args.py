@@ -30,6 +30,16 @@ _INSTEAD = {
     "--resume_from_checkpoint": "use --resume latest|latest-valid|STEP (the "
                                 "checkpoints in OUTPUT_DIR/checkpoints)",
     "--num_train_epochs": "zero1-train counts optimizer steps: use --max_steps",
+    "--warmup_ratio": "use --warmup_steps N (the HF Trainer's ceil(ratio x "
+                      "max_steps))",
+    "--save_strategy": "zero1-train saves every --save_steps N steps (HF's "
+                       "'steps'); --save_steps 0 saves none",
+    "--report_to": "metrics go to OUTPUT_DIR/metrics.jsonl and its plots: drop "
+                   "--report_to",
+    "--logging_dir": "logs and plots go to --output_dir: drop --logging_dir",
+    "--do_eval": "zero1-train does not evaluate: drop --do_eval",
+    "--eval_strategy": "zero1-train does not evaluate: drop it",
+    "--evaluation_strategy": "zero1-train does not evaluate: drop it",
 }
 
 
@@ -56,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
       "or 2 from a DeepSpeed JSON config.")
   p.add_argument("--deepspeed", required=True, metavar="JSON",
                  help="DeepSpeed config file")
+  p.add_argument("--do_train", action="store_true",
+                 help="accepted from HF Trainer commands: zero1-train always "
+                 "trains")
   p.add_argument("--num_devices", type=int, default=None,
                  help="data-parallel devices (CPU: simulated). Default: all")
   p.add_argument("--model_name_or_path", default="bert-tiny",
