@@ -68,6 +68,8 @@ def test_stage2_config_trains(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "[Rank 0] Zero Stage 2: optimizer state and gradients partitioned" in out
   o = tmp_path / "out"
+  # memory.png's bars are labelled by the stage that ran (it said ZeRO-1)
+  assert json.load(open(o / "summary.json"))["memory"]["stage"] == 2
   rows = [json.loads(l) for l in open(o / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in rows)

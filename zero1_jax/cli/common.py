@@ -111,7 +111,8 @@ def log_memory(engine, cfg, estimate=None) -> dict:
              else ", ".join(map(str, same)))
     print(f"[Rank {ranks}] the same as Rank {next(iter(per_rank))}", flush=True)
   return {"replicated_bytes": before, "ranks": list(per_rank),
-          "zero1_bytes_per_rank": list(per_rank.values()), "num_devices": n}
+          "zero1_bytes_per_rank": list(per_rank.values()), "num_devices": n,
+          "stage": zengine.run_stage(cfg)}
 
 
 class _NoBar:

@@ -36,12 +36,15 @@ def memory_bars(mem: dict, path: str) -> None:
   ax.bar([r - w / 2 for r in ranks], [mem["replicated_bytes"] / _MB] * len(ranks), w,
          label="replicated (DDP)")
   ax.bar([r + w / 2 for r in ranks],
-         [b / _MB for b in mem["zero1_bytes_per_rank"]], w, label="ZeRO-1")
+         [b / _MB for b in mem["zero1_bytes_per_rank"]], w,
+         label=f"ZeRO-{mem.get('stage', 1)}")
   ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
-  ax.set_ylabel("optimizer state + master (MiB)")
+  ax.set_ylabel("optimizer state, master incl. (MiB)")
   which = ("" if len(ranks) == n else   # multi-process: process 0 plots its own
            ": process 0's ranks")
-  ax.set_title(f"Optimizer state per device, N={n}{which} (measured)")
+  ax.set_title(f"Optimizer state per device, N={n}{which} (measured)"
+               + ("\nstage 2 shards the gradients too (not shown)"
+                  if mem.get("stage") == 2 else ""), fontsize=10)
   ax.set_ylim(0, 1.3 * mem["replicated_bytes"] / _MB)   # room for the legend
   ax.legend(loc="upper center", ncol=2)
   fig.tight_layout()
