@@ -1,11 +1,14 @@
 """Will the run fit? zero1-train's memory check, before anything big exists.
 
 The estimate is :func:`zero1_jax.inspect.estimate` with BERT's activations:
-``ACT_ELEMS x itemsize`` bytes per token, hidden unit and layer. The constant
-comes from the compiled step's ``memory_analysis()`` (temp bytes, one device,
-fp16, batch 8 x 128 and 4 x 64): bert-tiny 190-224, bert-mini 185-193,
-bert-small 203 bytes at itemsize 2, so 100 elements (200 bytes) at fp16, the
-estimate landing 5-15% above the compiled peak. ``ZERO1_DEVICE_MEMORY_BYTES``
+``ACT_BYTES`` per token, hidden unit and layer, whatever the dtype. The
+constant comes from the compiled step's ``memory_analysis()`` (temp bytes, one
+device, fp16, batch 8 x 128 and 4 x 64): bert-tiny 190-224, bert-mini 185-193,
+bert-small 203 bytes, so 200, the estimate landing 5-15% above the compiled
+peak. Not per itemsize: softmax, LayerNorm and the loss run in fp32 whatever
+the compute dtype, and fp16's casts add copies, so fp32 needs no more (bert-
+tiny, 8 x 128 per device on 4 devices: about 126 bytes in fp32, 164 in fp16;
+twice fp16's figure, as before, put an fp32 run 2.4x over its compiled peak). ``ZERO1_DEVICE_MEMORY_BYTES``
 (see :func:`zero1_jax.inspect.capacity`) replaces the measured capacity, e.g.
 to try the refusal on a small model.
 
@@ -13,7 +16,7 @@ Example:
   >>> from zero1_jax.models import bert
   >>> m = bert.make_config("bert-tiny", vocab_size=260, max_len=128)  # fp32
   >>> activation_bytes(m, micro_batch=8, seq_len=128) / 2**20
-  100.0
+  50.0
 """
 
 from __future__ import annotations
@@ -26,13 +29,12 @@ from zero1_jax.cli.common import UsageError, gib
 from zero1_jax.core.transform import Zero1Config
 from zero1_jax.deepspeed import engine as zengine
 
-ACT_ELEMS = 100
+ACT_BYTES = 200
 
 
 def activation_bytes(mcfg, micro_batch: int, seq_len: int) -> int:
   """What the backward pass keeps of one micro-batch of BERT-MLM."""
-  item = jnp.dtype(mcfg.dtype).itemsize
-  return (ACT_ELEMS * item * micro_batch * seq_len * mcfg.hidden_size
+  return (ACT_BYTES * micro_batch * seq_len * mcfg.hidden_size
           * mcfg.num_layers)
 
 
