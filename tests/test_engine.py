@@ -186,6 +186,37 @@ def test_max_to_keep_holds_after_a_load(tmp_path):
     z1.checkpoint.Checkpointer(tmp_path / "other", max_to_keep=0)
 
 
+def test_load_without_tag_loads_the_last_save_as_deepspeed(tmp_path, caplog):
+  """DeepSpeed's load_checkpoint(dir) loads the tag its ``latest`` file
+  names, the last save, not the highest step: a run resumed from step 2 of
+  a directory that also holds step 4 from an earlier run, then saved at 3,
+  continues from 3 the next time."""
+  params = float_part(odd_params())
+  ckpt = tmp_path / "ckpt"
+  a = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  for s in range(4):
+    a.train_batch(batch(16, seed=s))
+    if a.global_steps % 2 == 0:
+      a.save_checkpoint(ckpt)
+  a.wait_checkpoints()
+  assert (ckpt / "latest").read_text() == "4\n"
+  b = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  assert b.load_checkpoint(ckpt, 2)[0] == str(ckpt / "2")
+  b.train_batch(batch(16, seed=99))
+  b.save_checkpoint(ckpt)
+  b.wait_checkpoints()
+  c = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  assert c.load_checkpoint(ckpt)[0] == str(ckpt / "3")
+  assert c.global_steps == 3
+  assert_close(c.params, b.params, 0.0, "the last save ")
+  # a latest whose save never committed: the highest committed step, said
+  (ckpt / "latest").write_text("7\n")
+  with caplog.at_level("WARNING", logger="zero1_jax"):
+    assert c.load_checkpoint(ckpt)[0] == str(ckpt / "4")
+  assert "names step 7, whose save never committed" in caplog.text
+  assert z1.checkpoint.committed_steps(ckpt) == [2, 3, 4]
+
+
 def test_get_lr_is_the_rate_of_the_next_update_as_deepspeeds():
   """DeepSpeed's engine.get_lr() reads the optimizer's rate, which its
   scheduler sets after each applied update: the rate of the *next* update,

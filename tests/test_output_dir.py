@@ -59,7 +59,8 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
   assert logged_steps(printed) == [4, 5]          # --logging_steps 1: each
   assert steps(out) == [1, 2, 3, 4, 5]
   assert json.load(open(out / "summary.json"))["steps"] == 5
-  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["4", "5"]
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+      "4", "5", "latest"]     # DeepSpeed's latest: the last save
   # the last line says where the checkpoints are; each row has the lr used
   assert printed.strip().splitlines()[-1].endswith(
       f"checkpoints (steps 4, 5) in {out / 'checkpoints'}")
@@ -72,7 +73,8 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
              config={**CONFIG, "steps_per_print": 2}) == 0
   assert logged_steps(capsys.readouterr().out) == [1, 2, 3]
   assert steps(out) == [1, 2, 3]
-  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+      "2", "3", "latest"]
   assert json.load(open(out / "summary.json"))["steps"] == 3
 
 

@@ -23,6 +23,26 @@ from etils import epath
 from zero1_jax.checkpoint import lifecycle
 
 COMMIT = "commit_success.txt"
+LATEST = "latest"   # DeepSpeed's name: the tag of the last save
+
+
+def write_latest(directory, step: int) -> None:
+  """Records ``step`` as the last one saved in ``directory`` (DeepSpeed's
+  ``latest`` file, written whole by a rename: a reader never sees half)."""
+  d = lifecycle.absolute(directory)
+  tmp = d / f".{LATEST}.tmp"
+  tmp.write_text(f"{int(step)}\n")
+  tmp.replace(d / LATEST)
+
+
+def read_latest(directory) -> int | None:
+  """The step the ``latest`` file of ``directory`` names (None: no file, or
+  not a step number)."""
+  try:
+    text = (lifecycle.absolute(directory) / LATEST).read_text().strip()
+  except OSError:
+    return None
+  return int(text) if text.isdigit() else None
 
 
 def committed_steps(directory) -> list[int]:

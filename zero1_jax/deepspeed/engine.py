@@ -231,18 +231,26 @@ class Engine:
     extra = {"global_steps": self.global_steps,
              "skipped_steps": self.skipped_steps,
              **(client_state if client_state is not None else extra or {})}
-    self._checkpointer(save_dir, max_to_keep, saving=True).save(
-        step, self.params, self.opt_state, extra=extra,
-        config=self.config.to_dict(), force=True)
+    ckpt = self._checkpointer(save_dir, max_to_keep, saving=True)
+    ckpt.save(step, self.params, self.opt_state, extra=extra,
+              config=self.config.to_dict(), force=True)
+    if jax.process_index() == 0:
+      checkpoint.steps.write_latest(ckpt.directory, step)
     return step
 
   def load_checkpoint(self, load_dir, tag: int | None = None, *,
                       fallback_to_valid: bool = False) -> tuple[str, dict]:
-    """Restores the newest (or ``tag``) checkpoint, at this engine's N
-    whatever N it was saved at. Returns ``(load_path, client_state)`` as
-    DeepSpeed does: the step's directory, and the dict saved with it
-    (``client_state`` / ``extra``, plus ``global_steps`` and
-    ``skipped_steps``).
+    """Restores checkpoint ``tag``, at this engine's N whatever N it was
+    saved at. Returns ``(load_path, client_state)`` as DeepSpeed does: the
+    step's directory, and the dict saved with it (``client_state`` /
+    ``extra``, plus ``global_steps`` and ``skipped_steps``).
+
+    With no ``tag``, as DeepSpeed, the step of the last
+    :meth:`save_checkpoint` into ``load_dir`` (its ``latest`` file), even
+    when a higher step is there from an earlier run; a directory without
+    that file (written by :class:`zero1_jax.checkpoint.Checkpointer`) gives
+    its highest committed step, and so does a ``latest`` whose save never
+    committed (with a warning).
 
     Raises:
       zero1_jax.checkpoint.UnreadableCheckpointError: ``load_dir`` does not
@@ -253,12 +261,27 @@ class Engine:
       raise checkpoint.UnreadableCheckpointError(
           f"zero1 checkpoint: {os.path.abspath(load_dir)} does not exist")
     ckpt = self._checkpointer(load_dir)
+    if tag is None:
+      tag = self._latest_saved(ckpt)
     self.params, self.opt_state, extra = ckpt.restore(
         tag, self.tx, self.params, self.mesh,
         fallback_to_valid=fallback_to_valid)
     self.global_steps = int(extra.get("global_steps", 0))
     self.skipped_steps = int(extra.get("skipped_steps", 0))
     return os.path.join(ckpt.directory, str(ckpt.restored_step)), extra
+
+  @staticmethod
+  def _latest_saved(ckpt) -> int | None:
+    """The committed step ``latest`` names; None (the highest) otherwise."""
+    ckpt.wait()
+    step = checkpoint.steps.read_latest(ckpt.directory)
+    if step is None or step in ckpt.all_steps():
+      return step
+    logger.warning("zero1 checkpoint: %s names step %d, whose save never "
+                   "committed (interrupted?); loading the highest committed "
+                   "step instead", ckpt.directory / checkpoint.steps.LATEST,
+                   step)
+    return None
 
   def wait_checkpoints(self) -> None:
     for c in self._ckpts.values():
