@@ -217,6 +217,22 @@ def test_load_without_tag_loads_the_last_save_as_deepspeed(tmp_path, caplog):
   assert z1.checkpoint.committed_steps(ckpt) == [2, 3, 4]
 
 
+def test_resume_with_a_scheduler_added_names_the_config_change(tmp_path):
+  """A scheduler adds optimizer state (the schedule's count): resuming a
+  checkpoint saved without one cannot fit, and the error says it is the
+  config's scheduler, not only which state leaf is missing."""
+  params = float_part(odd_params())
+  a = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  a.save_checkpoint(tmp_path / "ckpt")
+  a.wait_checkpoints()
+  b = z1.initialize(fp32_config(scheduler={"type": "WarmupLR", "params": {
+      "warmup_num_steps": 10}}), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  with pytest.raises(z1.checkpoint.CheckpointMismatchError,
+                     match=r'"scheduler": null when saved, \{"type": "WarmupLR"'
+                           r'.* resume with the config it was saved with'):
+    b.load_checkpoint(tmp_path / "ckpt")
+
+
 def test_get_lr_is_the_rate_of_the_next_update_as_deepspeeds():
   """DeepSpeed's engine.get_lr() reads the optimizer's rate, which its
   scheduler sets after each applied update: the rate of the *next* update,

@@ -132,6 +132,7 @@ class Checkpointer:
     except OSError as e:
       raise CheckpointError(f"zero1 checkpoint: cannot create "
                             f"{self.directory}: {e.strerror or e}") from e
+    self.restored_step: int | None = None   # the step the last restore read
     self._unrecorded: set[int] = set()
     self._pending: list[int] = []     # saves not yet known to be committed
     self._async = async_save
@@ -329,8 +330,8 @@ class Checkpointer:
     where = f"zero1 checkpoint: step {step} in {self.directory}"
     meta = self._read_json(step, "meta")
     extra = self._read_json(step, "extra")
-    p_t, s_t = reshard.check(meta, tx, params_template, mesh, where)
     self.restored_step = step   # which one "latest" / a fallback turned out
+    p_t, s_t = reshard.check(meta, tx, params_template, mesh, where)
 
     def args(t: reshard.Target, strict: bool, partial: bool = False):
       restore_args = {

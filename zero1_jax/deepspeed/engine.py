@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Callable, Mapping
@@ -263,12 +264,36 @@ class Engine:
     ckpt = self._checkpointer(load_dir)
     if tag is None:
       tag = self._latest_saved(ckpt)
-    self.params, self.opt_state, extra = ckpt.restore(
-        tag, self.tx, self.params, self.mesh,
-        fallback_to_valid=fallback_to_valid)
+    try:
+      self.params, self.opt_state, extra = ckpt.restore(
+          tag, self.tx, self.params, self.mesh,
+          fallback_to_valid=fallback_to_valid)
+    except checkpoint.CheckpointMismatchError as e:
+      hint = self._config_change(ckpt, ckpt.restored_step or tag)
+      if not hint:
+        raise
+      raise checkpoint.CheckpointMismatchError(f"{e}. {hint}") from None
     self.global_steps = int(extra.get("global_steps", 0))
     self.skipped_steps = int(extra.get("skipped_steps", 0))
     return os.path.join(ckpt.directory, str(ckpt.restored_step)), extra
+
+  def _config_change(self, ckpt, step) -> str:
+    """What of the optimizer/scheduler config differs from the one ``step``
+    was saved with ("" when nothing or unknown)."""
+    try:
+      saved = ckpt.metadata(step).get("config") or {}
+    except Exception:  # pylint: disable=broad-except
+      return ""
+    now = self.config.to_dict()
+    changed = [k for k in ("optimizer", "scheduler")
+               if saved.get(k) != now.get(k)]
+    if not changed:
+      return ""
+    was = "; ".join(f'"{k}": {json.dumps(saved.get(k))} when saved, '
+                    f'{json.dumps(now.get(k))} now' for k in changed)
+    return (f"The config differs ({was}): a scheduler or optimizer type "
+            f"added or removed changes the optimizer state, so resume with "
+            f"the config it was saved with (stored in its step)")
 
   @staticmethod
   def _latest_saved(ckpt) -> int | None:
