@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Callable, Mapping
@@ -30,6 +29,7 @@ from zero1_jax.deepspeed import config as zconfig
 from zero1_jax import checkpoint, distributed, inspect
 from zero1_jax.deepspeed import ds_names
 from zero1_jax.deepspeed import optim as ds_optim
+from zero1_jax.deepspeed import resume
 from zero1_jax.deepspeed import schedules
 from zero1_jax.core import precision
 from zero1_jax.core import step as zstep
@@ -263,50 +263,20 @@ class Engine:
           f"zero1 checkpoint: {os.path.abspath(load_dir)} does not exist")
     ckpt = self._checkpointer(load_dir)
     if tag is None:
-      tag = self._latest_saved(ckpt)
+      tag = resume.latest_saved(ckpt)
     try:
       self.params, self.opt_state, extra = ckpt.restore(
           tag, self.tx, self.params, self.mesh,
           fallback_to_valid=fallback_to_valid)
     except checkpoint.CheckpointMismatchError as e:
-      hint = self._config_change(ckpt, ckpt.restored_step or tag)
+      hint = resume.config_change(ckpt, ckpt.restored_step or tag,
+                                  self.config.to_dict())
       if not hint:
         raise
       raise checkpoint.CheckpointMismatchError(f"{e}. {hint}") from None
     self.global_steps = int(extra.get("global_steps", 0))
     self.skipped_steps = int(extra.get("skipped_steps", 0))
     return os.path.join(ckpt.directory, str(ckpt.restored_step)), extra
-
-  def _config_change(self, ckpt, step) -> str:
-    """What of the optimizer/scheduler config differs from the one ``step``
-    was saved with ("" when nothing or unknown)."""
-    try:
-      saved = ckpt.metadata(step).get("config") or {}
-    except Exception:  # pylint: disable=broad-except
-      return ""
-    now = self.config.to_dict()
-    changed = [k for k in ("optimizer", "scheduler")
-               if saved.get(k) != now.get(k)]
-    if not changed:
-      return ""
-    was = "; ".join(f'"{k}": {json.dumps(saved.get(k))} when saved, '
-                    f'{json.dumps(now.get(k))} now' for k in changed)
-    return (f"The config differs ({was}): a scheduler or optimizer type "
-            f"added or removed changes the optimizer state, so resume with "
-            f"the config it was saved with (stored in its step)")
-
-  @staticmethod
-  def _latest_saved(ckpt) -> int | None:
-    """The committed step ``latest`` names; None (the highest) otherwise."""
-    ckpt.wait()
-    step = checkpoint.steps.read_latest(ckpt.directory)
-    if step is None or step in ckpt.all_steps():
-      return step
-    logger.warning("zero1 checkpoint: %s names step %d, whose save never "
-                   "committed (interrupted?); loading the highest committed "
-                   "step instead", ckpt.directory / checkpoint.steps.LATEST,
-                   step)
-    return None
 
   def wait_checkpoints(self) -> None:
     for c in self._ckpts.values():
