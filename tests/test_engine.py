@@ -108,7 +108,7 @@ def test_engine_at_minimum_scale_with_hysteresis_left_raises_only_when_due():
 def test_engine_bad_input():
   engine = z1.initialize(fp32_config(), loss_fn=loss_fn,
                          params=float_part(odd_params()), mesh=mesh(4))
-  with pytest.raises(ValueError, match=r"\['8'\] != train_batch_size 16"):
+  with pytest.raises(ValueError, match=r"leading dimension 8 != train_batch_size 16"):
     engine.train_batch(batch(8))
   with pytest.raises(ConfigError, match="stage"):
     z1.initialize(fp32_config(zero_optimization={"stage": 3}), loss_fn=loss_fn,
@@ -231,6 +231,19 @@ def test_resume_with_a_scheduler_added_names_the_config_change(tmp_path):
                      match=r'"scheduler": null when saved, \{"type": "WarmupLR"'
                            r'.* resume with the config it was saved with'):
     b.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_bad_batch_and_missing_optimizer_name_the_fix():
+  """A scalar batch leaf is named (it was "leading dimension(s) ['16',
+  'None']"); a config without an optimizer says what to add."""
+  params = float_part(odd_params())
+  e = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(2))
+  with pytest.raises(ValueError, match=r"batch leaf \['t'\] is a scalar"):
+    e.train_batch({**batch(16), "t": 1.0})
+  cfg = {k: v for k, v in fp32_config().items() if k != "optimizer"}
+  with pytest.raises(z1.ConfigError, match=r"no 'optimizer' section: add one, "
+                     r"e\.g\. \"optimizer\": \{\"type\": \"AdamW\""):
+    z1.initialize(cfg, loss_fn=loss_fn, params=params, mesh=mesh(2))
 
 
 def test_get_lr_is_the_rate_of_the_next_update_as_deepspeeds():

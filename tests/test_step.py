@@ -251,6 +251,21 @@ def test_batch_not_divisible_by_devices_times_accumulation():
     step(p, s, batch(12))
 
 
+def test_batch_leaves_without_a_shared_leading_axis_are_named():
+  """A scalar batch leaf (a temperature, a step) and leaves of different
+  lengths: ValueErrors naming the leaves and the fix (a scalar was an
+  AttributeError on 'float'.ndim)."""
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  p, s = z1.init(tx, odd_params(), mesh(2))
+  step = z1.train_step(loss_fn, tx, mesh(2))
+  with pytest.raises(ValueError, match=r"batch leaf \['t'\] is a scalar; .*"
+                     r"closure or functools\.partial"):
+    step(p, s, {**batch(8), "t": 1.0})
+  with pytest.raises(ValueError, match=r"same leading \(batch\) size; got "
+                     r"\['w'\]: 6; \['x'\], \['y'\]: 8\."):
+    step(p, s, {**batch(8), "w": np.ones(6, np.float32)})
+
+
 def test_wrong_tree_in_update_names_the_path():
   n = 2
   tx = z1.zero1(optax.adam(1e-3), axis_name="data")

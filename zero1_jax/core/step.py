@@ -27,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero1_jax.core import checks as chk
+from zero1_jax.core.batch import batch_size
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
@@ -168,22 +169,6 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
   if param_dtype is None:
     return values, opt_state
   return jax.jit(cast, out_shardings=placed, donate_argnums=0)(values), opt_state
-
-
-def batch_size(batch, accum: int, n: int) -> int:
-  """The global batch size; ValueError naming the fix if it cannot be split
-  into ``accum`` micro-batches over ``n`` devices."""
-  sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batch)}
-  if None in sizes or len(sizes) != 1:
-    raise ValueError(f"zero1: every batch leaf needs the same leading (batch) "
-                     f"dimension; got leading sizes {sorted(map(str, sizes))}.")
-  (b,) = sizes
-  if b % (accum * n):
-    raise ValueError(
-        f"zero1: batch size {b} is not divisible by grad_accum_steps "
-        f"({accum}) x data-parallel devices ({n}) = {accum * n}. Use a batch "
-        f"size that is a multiple of {accum * n}.")
-  return b
 
 
 def _split_batch(batch, accum: int, mesh, axis: str):

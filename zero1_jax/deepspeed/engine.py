@@ -23,7 +23,6 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zero1_jax.deepspeed import config as zconfig
 from zero1_jax import checkpoint, distributed, inspect
@@ -32,6 +31,7 @@ from zero1_jax.deepspeed import optim as ds_optim
 from zero1_jax.deepspeed import resume
 from zero1_jax.deepspeed import schedules
 from zero1_jax.core import precision
+from zero1_jax.core import batch as zbatch
 from zero1_jax.core import step as zstep
 from zero1_jax.core.transform import Zero1Transformation, zero1
 from zero1_jax.core.zero2 import zero2
@@ -160,11 +160,10 @@ class Engine:
       ValueError: the batch's leading dimension is not train_batch_size.
       RuntimeError: fp16 overflow at the minimum loss scale (as DeepSpeed).
     """
-    sizes = {np.shape(x)[0] if np.ndim(x) else None
-             for x in jax.tree.leaves(batch)}
-    if sizes != {self.train_batch_size}:
+    size = zbatch.leading_size(batch)
+    if size != self.train_batch_size:
       raise ValueError(
-          f"train_batch: batch leading dimension(s) {sorted(map(str, sizes))} "
+          f"train_batch: the batch's leading dimension {size} "
           f"!= train_batch_size {self.train_batch_size} (= micro batch "
           f"{self.config.train_micro_batch_size_per_gpu} x accumulation "
           f"{self.config.gradient_accumulation_steps} x devices "

@@ -265,7 +265,11 @@ def build_optimizer(optimizer: OptimizerConfig | None,
                     ) -> optax.GradientTransformation:
   """Elementwise optax transform for the optimizer (+ scheduler), no clip."""
   if optimizer is None:
-    raise ConfigError("the config has no 'optimizer' section")
+    raise ConfigError(
+        "the config has no 'optimizer' section: add one, e.g. \"optimizer\": "
+        "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}} (DeepSpeed's "
+        "optimizer= argument has no counterpart: for an optax optimizer of "
+        "your own, use z1.zero1(...) with z1.init and z1.train_step)")
   h = resolve_optimizer(optimizer)
   lr = schedules.build_schedule(scheduler, h["lr"]) if scheduler else h["lr"]
   hyper = {"learning_rate": lr}
