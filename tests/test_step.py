@@ -266,6 +266,21 @@ def test_batch_leaves_without_a_shared_leading_axis_are_named():
     step(p, s, {**batch(8), "w": np.ones(6, np.float32)})
 
 
+def test_a_mesh_without_the_data_axis_names_the_fix():
+  """A 1-D mesh with another axis name: rename it or pass that name. A 2-D
+  mesh: name the data-parallel axis (the fix for 1-D, a 1-D mesh, would drop
+  the model axis)."""
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  one = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])
+  with pytest.raises(ValueError, match=r"mesh has axes \('batch',\) but the "
+                     r"optimizer shards over 'data'\..*axis_name='batch'"):
+    z1.init(tx, odd_params(), one)
+  two = jax.make_mesh((2, 2), ("dp", "model"), devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match=r"axis_name=<the data-parallel one of "
+                     r"\('dp', 'model'\)>\), or name that axis 'data'"):
+    z1.init(tx, odd_params(), two)
+
+
 def test_wrong_tree_in_update_names_the_path():
   n = 2
   tx = z1.zero1(optax.adam(1e-3), axis_name="data")

@@ -67,11 +67,18 @@ def _axis_size(tx: Zero1Transformation, mesh: jax.sharding.Mesh,
   require_zero1(tx, where)
   axis = tx.config.axis_name
   if axis not in mesh.axis_names:
+    names = tuple(mesh.axis_names)
+    if len(names) == 1:
+      fix = (f"Build the mesh with that axis, e.g. jax.make_mesh(("
+             f"{jax.device_count()},), ('{axis}',)), or pass zero1(..., "
+             f"axis_name='{names[0]}')")
+    else:   # 2-D: keep the other axes; name the data-parallel one
+      fix = (f"Pass zero1(..., axis_name=<the data-parallel one of {names}>), "
+             f"or name that axis '{axis}' when building the mesh (params "
+             f"sharded over the other axes stay as they are)")
     raise ValueError(
-        f"zero1: mesh has axes {tuple(mesh.axis_names)} but the optimizer "
-        f"shards over '{axis}'. Build the mesh with that axis, e.g. "
-        f"jax.make_mesh(({jax.device_count()},), ('{axis}',)), or pass "
-        f"zero1(..., axis_name=<one of {tuple(mesh.axis_names)}>).")
+        f"zero1: mesh has axes {names} but the optimizer shards over "
+        f"'{axis}'. {fix}.")
   return mesh.shape[axis]
 
 
