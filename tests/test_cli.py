@@ -57,6 +57,7 @@ def test_seed_command_trains_and_writes_outputs(tmp_path, capsys):
   rank_bytes = summary["memory"]["zero1_bytes_per_rank"]
   assert len(rank_bytes) == 4
   assert max(rank_bytes) * 4 <= summary["memory"]["replicated_bytes"] * 1.01
+  assert summary["memory"]["fp32_params"] is False   # fp16: the state holds the master
 
 
 def test_stage2_config_trains(tmp_path, capsys):
@@ -165,3 +166,26 @@ def test_memory_plot_of_a_multi_process_run_says_whose_ranks(tmp_path):
     plt.Axes.set_title = real
   assert titles == ["Optimizer state per device, N=4: process 0's ranks (measured)",
                     "Optimizer state per device, N=4 (measured)"]
+
+
+def test_memory_plot_says_master_only_when_there_is_one(tmp_path):
+  """fp32 params are their own master (the state holds none): the axis of
+  an fp32 run must not say "master incl."; a 16-bit run's state holds it."""
+  pytest.importorskip("matplotlib")
+  from matplotlib import pyplot as plt
+  from zero1_jax.cli import plots
+  labels = []
+  real = plt.Axes.set_ylabel
+  def spy(ax, text, *a, **k):
+    labels.append(text)
+    return real(ax, text, *a, **k)
+  plt.Axes.set_ylabel = spy
+  try:
+    for fp32 in (True, False):
+      plots.memory_bars({"num_devices": 2, "replicated_bytes": 4e6,
+                         "zero1_bytes_per_rank": [2e6] * 2,
+                         "fp32_params": fp32}, str(tmp_path / f"{fp32}.png"))
+  finally:
+    plt.Axes.set_ylabel = real
+  assert labels == ["optimizer state (MiB)",
+                    "optimizer state, fp32 master incl. (MiB)"]

@@ -112,7 +112,11 @@ def log_memory(engine, cfg, estimate=None) -> dict:
     print(f"[Rank {ranks}] the same as Rank {next(iter(per_rank))}", flush=True)
   return {"replicated_bytes": before, "ranks": list(per_rank),
           "zero1_bytes_per_rank": list(per_rank.values()), "num_devices": n,
-          "stage": zengine.run_stage(cfg)}
+          "stage": zengine.run_stage(cfg),
+          # fp32 params are their own master: the state holds no copy
+          "fp32_params": all(x.dtype == jax.numpy.float32
+                             for x in jax.tree.leaves(engine.params)
+                             if jax.numpy.issubdtype(x.dtype, jax.numpy.floating))}
 
 
 class _NoBar:
@@ -169,8 +173,27 @@ def append_metrics(out_dir: str, row: dict) -> None:
     f.write(json.dumps(row) + "\n")
 
 
+def run_record(args, engine) -> dict:
+  """What ran, for summary.json: model, sizes, precision, devices, steps."""
+  cfg = engine.config
+  return {"model": args.model_name_or_path, "seq_len": args.seq_len,
+          "dtype": ("fp16" if cfg.fp16.enabled else
+                    "bf16" if cfg.bf16.enabled else "fp32"),
+          "zero_stage": cfg.zero.stage,
+          "num_devices": engine.mesh.shape[engine.axis_name],
+          "num_processes": args.num_processes or 1,
+          "train_batch_size": cfg.train_batch_size,
+          "train_micro_batch_size_per_gpu": cfg.train_micro_batch_size_per_gpu,
+          "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+          "max_steps": args.max_steps}
+
+
 def write_outputs(out_dir: str, history: list[dict], mem: dict, engine,
-                  wall: float) -> dict:
+                  wall: float, *, run: dict | None = None,
+                  resumed_from: int | None = None) -> dict:
+  """Plots and summary.json. ``steps``, ``skipped_steps`` and the losses are
+  the whole run's (resumes included, as metrics.jsonl); ``wall_s`` is this
+  invocation's training time, for its ``steps_this_run`` steps."""
   try:
     from zero1_jax.cli import plots
   except ImportError:
@@ -183,9 +206,12 @@ def write_outputs(out_dir: str, history: list[dict], mem: dict, engine,
             if not h["skipped"] and h["loss"] is not None]
   k = max(1, len(losses) // 10)
   mean = lambda xs: sum(xs) / len(xs) if xs else None   # None: no step taken
+  start = resumed_from or 0
   summary = {"steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
              "first_loss": mean(losses[:k]), "last_loss": mean(losses[-k:]),
-             "wall_s": wall, "memory": mem}
+             "resumed_from": resumed_from,
+             "steps_this_run": engine.global_steps - start, "wall_s": wall,
+             "run": run or {}, "memory": mem}
   with open(os.path.join(out_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, allow_nan=False)
   return summary

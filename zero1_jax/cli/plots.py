@@ -39,7 +39,8 @@ def memory_bars(mem: dict, path: str) -> None:
          [b / _MB for b in mem["zero1_bytes_per_rank"]], w,
          label=f"ZeRO-{mem.get('stage', 1)}")
   ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
-  ax.set_ylabel("optimizer state, master incl. (MiB)")
+  ax.set_ylabel("optimizer state (MiB)" if mem.get("fp32_params") else
+                "optimizer state, fp32 master incl. (MiB)")
   which = ("" if len(ranks) == n else   # multi-process: process 0 plots its own
            ": process 0's ranks")
   ax.set_title(f"Optimizer state per device, N={n}{which} (measured)"
