@@ -58,12 +58,23 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
   assert "at step 3" in printed
   assert logged_steps(printed) == [4, 5]          # --logging_steps 1: each
   assert steps(out) == [1, 2, 3, 4, 5]
-  assert json.load(open(out / "summary.json"))["steps"] == 5
+  summary = json.load(open(out / "summary.json"))
+  assert summary["steps"] == 5
+  # the whole run's steps, and what this invocation did in its wall_s (it
+  # said "5 steps in 0.9s" for 2 steps); what ran, without reading the log
+  assert summary["resumed_from"] == 3 and summary["steps_this_run"] == 2
+  assert summary["run"] == {
+      "model": "bert-tiny", "seq_len": 16, "dtype": "fp16", "zero_stage": 1,
+      "num_devices": 4, "num_processes": 1, "train_batch_size": 8,
+      "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+      "max_steps": 5}
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
       "4", "5", "latest"]     # DeepSpeed's latest: the last save
-  # the last line says where the checkpoints are; each row has the lr used
-  assert printed.strip().splitlines()[-1].endswith(
-      f"checkpoints (steps 4, 5) in {out / 'checkpoints'}")
+  # the last line says what ran and where the checkpoints are; each row has
+  # the lr used
+  last = printed.strip().splitlines()[-1]
+  assert "steps 4-5 after resuming at 3 (5 in all, 0 skipped) in " in last
+  assert last.endswith(f"checkpoints (steps 4, 5) in {out / 'checkpoints'}")
   assert {json.loads(l)["lr"] for l in open(out / "metrics.jsonl")} == {
       1e-3}            # no scheduler: the configured rate, as DeepSpeed's get_lr()
   # --overwrite_output_dir: a new run, none of the old one's files left

@@ -206,7 +206,9 @@ def run(args: argparse.Namespace) -> dict | None:
   if not main_process:
     return None
   wall = time.perf_counter() - t0
-  summary = common.write_outputs(args.output_dir, history, mem, engine, wall)
+  summary = common.write_outputs(
+      args.output_dir, history, mem, engine, wall,
+      run=common.run_record(args, engine), resumed_from=start if resume else None)
   from zero1_jax import checkpoint
   saved = checkpoint.committed_steps(ckpt_dir) if os.path.isdir(ckpt_dir) else []
   shown = (", ".join(map(str, saved)) if len(saved) <= 6 else
@@ -218,9 +220,12 @@ def run(args: argparse.Namespace) -> dict | None:
           f"(--max_steps {args.max_steps}; a larger one continues it); "
           f"outputs in {args.output_dir}{where}", flush=True)
     return summary
-  print(f"[zero1-train] {engine.global_steps} steps ({engine.skipped_steps} "
-        f"skipped) in {wall:.1f}s of training (compiling before it not "
-        f"counted); {common.loss_text(summary)}; outputs in "
+  done = (f"{engine.global_steps} steps ({engine.skipped_steps} skipped)"
+          if not start else
+          f"steps {start + 1}-{engine.global_steps} after resuming at {start} "
+          f"({engine.global_steps} in all, {engine.skipped_steps} skipped)")
+  print(f"[zero1-train] {done} in {wall:.1f}s of training (compiling before "
+        f"it not counted); {common.loss_text(summary)}; outputs in "
         f"{args.output_dir}{where}", flush=True)
   return summary
 
