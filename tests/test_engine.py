@@ -246,6 +246,41 @@ def test_bad_batch_and_missing_optimizer_name_the_fix():
     z1.initialize(cfg, loss_fn=loss_fn, params=params, mesh=mesh(2))
 
 
+def test_steps_per_print_logs_deepspeeds_step_line(caplog):
+  """DeepSpeed logs "step=, skipped=, lr=" at INFO every steps_per_print
+  steps (default 10); the engine did not log at all. None turns it off
+  (zero1-train prints its own lines)."""
+  params = float_part(odd_params())
+  e = z1.initialize(fp32_config(steps_per_print=2), loss_fn=loss_fn,
+                    params=params, mesh=mesh(2))
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    for s in range(5):
+      e.train_batch(batch(16, seed=s))
+  lines = [r.getMessage() for r in caplog.records if "step=" in r.getMessage()]
+  assert [l.split(",")[0] for l in lines] == ["[Rank 0] step=2",
+                                             "[Rank 0] step=4"], lines
+  assert re.fullmatch(r"\[Rank 0\] step=4, skipped=0, lr=\[0\.01\], "
+                      r"loss=\d+\.\d{4}", lines[1]), lines
+  assert z1.initialize(fp32_config(), loss_fn=loss_fn, params=params,
+                       mesh=mesh(2)).steps_per_print == 10   # DeepSpeed's
+  caplog.clear()
+  e.steps_per_print = None
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    e.train_batch(batch(16, seed=9))
+  assert "step=" not in caplog.text
+
+
+def test_a_key_not_honoured_warns_at_the_callers_line():
+  """The warning points at the user's z1.initialize call (it pointed inside
+  zero1_jax/deepspeed/engine.py) and has its own category to filter."""
+  with pytest.warns(z1.deepspeed.schema.NotHonouredWarning,
+                    match="wall_clock_breakdown=True is recognised but not "
+                          "honoured") as got:
+    z1.initialize(fp32_config(wall_clock_breakdown=True), loss_fn=loss_fn,
+                  params=float_part(odd_params()), mesh=mesh(2))
+  assert [w.filename for w in got] == [__file__]
+
+
 def test_get_lr_is_the_rate_of_the_next_update_as_deepspeeds():
   """DeepSpeed's engine.get_lr() reads the optimizer's rate, which its
   scheduler sets after each applied update: the rate of the *next* update,

@@ -281,8 +281,11 @@ def _one_line_own_warnings() -> None:
     return
   default = warnings.showwarning
 
+  from zero1_jax.deepspeed.schema import NotHonouredWarning
+
   def show(message, category, filename, lineno, file=None, line=None):
-    if os.path.abspath(filename).startswith(_PKG_DIR + os.sep):
+    if (issubclass(category, NotHonouredWarning)   # attributed to the caller
+        or os.path.abspath(filename).startswith(_PKG_DIR + os.sep)):
       print(f"[zero1_jax] warning: {message}", file=file or sys.stderr, flush=True)
     else:
       default(message, category, filename, lineno, file, line)

@@ -108,6 +108,7 @@ def _setup(args):
   batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
                             cfg.train_batch_size, seed=args.seed)
   engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
+  engine.steps_per_print = None     # _train prints its own step lines
   return engine, batches, main, resume, est
 
 

@@ -16,11 +16,12 @@ import json
 import logging
 import math
 import os
-import warnings
 from typing import Mapping
 
 from zero1_jax.deepspeed import keys, optim
+from zero1_jax.deepspeed import log as ds_log
 from zero1_jax.deepspeed.schema import (BF16Config, ConfigError, FP16Config,
+                                        NotHonouredWarning,
                                         OptimizerConfig, SchedulerConfig,
                                         ZeroConfig, as_bool, as_float, as_int,
                                         inactive)
@@ -134,8 +135,8 @@ def _note(path: str, value) -> None:
     if key not in _NOTED:     # once per process, not once per re-validation
       _PENDING.append(f"{key} has no effect: {reason}")
   else:
-    warnings.warn(f"{path}={value!r} is recognised but not honoured by "
-                  f"zero1_jax: {reason}", UserWarning, stacklevel=4)
+    ds_log.warn(f"{path}={value!r} is recognised but not honoured by "
+                f"zero1_jax: {reason}", NotHonouredWarning)
 
 
 def _section(raw: Mapping, key: str, cls) -> dict:

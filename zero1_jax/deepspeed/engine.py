@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from zero1_jax.deepspeed import config as zconfig
 from zero1_jax import checkpoint, distributed, inspect
 from zero1_jax.deepspeed import ds_names
+from zero1_jax.deepspeed import log as ds_log
 from zero1_jax.deepspeed import optim as ds_optim
 from zero1_jax.deepspeed import resume
 from zero1_jax.deepspeed import schedules
@@ -117,6 +118,9 @@ class Engine:
     global_steps: optimizer steps taken, skipped ones included (DeepSpeed).
     skipped_steps: steps skipped for fp16 overflow or a non-finite gradient
       norm (fp32, bf16 with check_grad_overflow), as DeepSpeed 0.19.
+    steps_per_print: log DeepSpeed's ``step=, skipped=, lr=`` line (and the
+      loss) at INFO every this many steps (the config's, default 10); None:
+      never.
     config, tx, mesh.
   """
 
@@ -131,6 +135,9 @@ class Engine:
         self.tx, params, mesh, param_dtype=compute_dtype(config))
     self.global_steps = 0
     self.skipped_steps = 0
+    # DeepSpeed's step line every steps_per_print steps (its default 10);
+    # None: no line (zero1-train prints its own)
+    self.steps_per_print: int | None = config.steps_per_print or 10
     self._ckpts: dict = {}
     self._step = zstep.train_step(
         loss_fn, self.tx, mesh,
@@ -188,6 +195,11 @@ class Engine:
             "Current loss scale already at minimum - cannot decrease scale "
             f"anymore (fp16.min_loss_scale={f.min_loss_scale}). Lower the "
             f"learning rate, or use bf16{lower}.")
+    every = self.steps_per_print
+    if every and self.global_steps % every == 0 and jax.process_index() == 0:
+      logger.info("[Rank 0] step=%d, skipped=%d, lr=%s, loss=%.4f",
+                  self.global_steps, self.skipped_steps, self.get_lr(),
+                  float(metrics["loss"]))
     return metrics
 
   # -- checkpoints (orbax; see zero1_jax.checkpoint) -------------------------
@@ -359,6 +371,7 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig
     raise TypeError(f"initialize() needs {', '.join(missing)}: "
                     f"initialize(config=..., loss_fn=(params, batch) -> loss, "
                     f"params=..., mesh=...)")
+  ds_log.show_info()
   distributed.initialize(coordinator_address, num_processes, process_id)
   if mesh is None:
     mesh = jax.make_mesh((jax.device_count(),), (axis_name,))

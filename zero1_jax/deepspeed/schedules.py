@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 
 import jax.numpy as jnp
 import optax
 
-from zero1_jax.deepspeed.schema import (ConfigError, SchedulerConfig, as_flag,
+from zero1_jax.deepspeed import log as ds_log
+from zero1_jax.deepspeed.schema import (ConfigError, NotHonouredWarning,
+                                        SchedulerConfig, as_flag,
                                         as_number)
 
 logger = logging.getLogger("zero1_jax")
@@ -108,10 +109,10 @@ def resolve_scheduler(sched: SchedulerConfig, quiet: bool = True) -> dict:
       raise ConfigError("lr_range_test_step_size must be a positive integer, "
                         f"got {size}")
   if out["last_batch_iteration"] != -1 and not quiet:
-    warnings.warn("scheduler.params.last_batch_iteration is recognised but "
-                  "not honoured by zero1_jax: the schedule follows the "
-                  "optimizer step count restored from the checkpoint",
-                  UserWarning, stacklevel=3)
+    ds_log.warn("scheduler.params.last_batch_iteration is recognised but "
+                "not honoured by zero1_jax: the schedule follows the "
+                "optimizer step count restored from the checkpoint",
+                NotHonouredWarning)
   return out
 
 

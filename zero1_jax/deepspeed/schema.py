@@ -17,6 +17,10 @@ class ConfigError(ValueError):
   """Invalid or unsupported DeepSpeed configuration."""
 
 
+class NotHonouredWarning(UserWarning):
+  """A DeepSpeed key or value zero1_jax recognises but cannot honour."""
+
+
 @dataclasses.dataclass(frozen=True)
 class FP16Config:
   """`fp16`, defaults from deepspeed/runtime/precision_config.py."""
