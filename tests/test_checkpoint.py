@@ -226,12 +226,20 @@ def test_export_cli(saved, tmp_path, capsys):
   rc = export_cli.main(["--checkpoint_dir", str(saved.dir), "--output_dir",
                         str(tmp_path / "x"), "--step", "99"])
   err = capsys.readouterr().err
-  assert rc == 1 and "step 99" in err and "not found" in err
+  assert rc == 2 and "step 99" in err and "not found" in err   # bad input: 2,
+  # as zero1-train's
   assert err.count("\n") == 1
   # DeepSpeed's zero_to_fp32.py order: CHECKPOINT_DIR OUTPUT_DIR.
   assert export_cli.main([str(saved.dir), str(tmp_path / "pos")]) == 0
   assert_equal(float_part(zc.load_params(tmp_path / "pos")),
                masters(*saved.at_save), "positional ")
+  # again into the same directory: the flag to pass, not the Python keyword
+  assert export_cli.main([str(saved.dir), str(tmp_path / "pos")]) == 2
+  err = capsys.readouterr().err
+  assert err.strip().endswith("already exists and is not empty (--overwrite "
+                              "replaces it)") and err.count("\n") == 1, err
+  assert export_cli.main([str(saved.dir), str(tmp_path / "pos"),
+                          "--overwrite"]) == 0
   for argv, needle in ((["--output_dir", str(tmp_path / "z")], "checkpoint dir is required"),
                        ([str(saved.dir), "--checkpoint_dir", "other",
                          "--output_dir", "o"], "disagree")):
@@ -247,7 +255,7 @@ def test_export_cli(saved, tmp_path, capsys):
                         (run_dir / "checkpoints" / str(K),
                          f"it is step {K}'s own directory: pass the directory "
                          f"that holds the steps, {run_dir / 'checkpoints'}")):
-    assert export_cli.main([str(given), str(tmp_path / "w")]) == 1
+    assert export_cli.main([str(given), str(tmp_path / "w")]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1, err
   # The console script (or the module): one line, no traceback.
@@ -259,7 +267,7 @@ def test_export_cli(saved, tmp_path, capsys):
              "--output_dir", str(tmp_path / "y")],
       capture_output=True, text=True, timeout=120,
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert r.returncode == 1, r.stderr
+  assert r.returncode == 2, r.stderr
   assert r.stderr.strip().splitlines() == [
       f"zero1-export: error: zero1 checkpoint: directory "
       f"{tmp_path / 'missing'} does not exist"], r.stderr

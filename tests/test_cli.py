@@ -189,3 +189,14 @@ def test_memory_plot_says_master_only_when_there_is_one(tmp_path):
     plt.Axes.set_ylabel = real
   assert labels == ["optimizer state (MiB)",
                     "optimizer state, fp32 master incl. (MiB)"]
+
+
+def test_one_cpu_device_by_default_says_nothing_is_sharded():
+  """Without --num_devices a CPU has one device: the run trained without a
+  word that nothing was sharded ("Default: all" in --help)."""
+  note = train._one_cpu_device_note
+  assert "nothing is sharded; --num_devices 4" in note(1, None, False, "cpu")
+  assert note(1, 1, False, "cpu") is None        # asked for one: fine
+  assert note(8, None, False, "cpu") is None     # XLA_FLAGS gave 8
+  assert note(1, None, True, "cpu") is None      # one per process, by design
+  assert note(1, None, False, "gpu") is None

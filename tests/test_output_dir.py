@@ -87,6 +87,11 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
       "2", "3", "latest"]
   assert json.load(open(out / "summary.json"))["steps"] == 3
+  # a resume logs its own first step (4), then every 5th and the last: a
+  # user sees at once that it runs (it showed nothing until step 5)
+  assert run(tmp_path, out, "--max_steps", "6", "--resume", "latest",
+             config={**CONFIG, "steps_per_print": 5}) == 0
+  assert logged_steps(capsys.readouterr().out) == [4, 5, 6]
 
 
 def test_output_dir_that_is_a_file(tmp_path, capsys):
@@ -141,7 +146,10 @@ def test_all_steps_skipped_gives_valid_json(tmp_path, capsys):
 def test_memory_lines_say_gib(tmp_path, capsys):
   assert run(tmp_path, tmp_path / "o", "--max_steps", "1") == 0
   out = capsys.readouterr().out
-  assert "GiB per GPU (1/4)" in out and " GB " not in out
+  # simulated CPU devices are not GPUs ("per GPU" on a GPU, as the seed)
+  assert "GiB per device (1/4)" in out and " GB " not in out
+  assert "per GPU" not in out
+  assert "[zero1-train] 1 step (" in out.strip().splitlines()[-1]   # not "1 steps"
 
 
 def test_missing_config_is_named_before_a_used_output_dir(tmp_path, capsys):

@@ -38,8 +38,8 @@ def export_params(ckpt_dir, out_dir, step: int | None = None, *,
   if out.exists():
     if any(out.iterdir()) and not overwrite:
       raise CheckpointError(f"zero1 export: output directory {out} already "
-                            f"exists and is not empty (use overwrite=True / "
-                            f"--overwrite)")
+                            f"exists and is not empty (overwrite=True "
+                            f"replaces it)")
     out.rmtree()
   ckpt = Checkpointer(ckpt_dir, async_save=False, create=False)
   try:

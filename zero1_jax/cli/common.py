@@ -94,12 +94,13 @@ def log_memory(engine, cfg, estimate=None) -> dict:
     what = ("optimizer state and gradients" if stage == 2
             else "optimizer state")
     print(f"[Rank {r}] Zero Stage {stage}: {what} partitioned")
-    print(f"[Rank {r}] Before: optimizer state {before / _GiB:.4g} GiB per GPU")
+    unit = "GPU" if d.platform == "gpu" else "device"   # the seed's "per GPU"
+    print(f"[Rank {r}] Before: optimizer state {before / _GiB:.4g} GiB per {unit}")
     print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GiB:.4g} GiB per "
-          f"GPU (1/{n})")
+          f"{unit} (1/{n})")
     if estimate is not None:
       est, cap, _ = estimate
-      print(f"[Rank {r}] Estimate: step needs ~{gib(est.per_device)} per GPU "
+      print(f"[Rank {r}] Estimate: step needs ~{gib(est.per_device)} per {unit} "
             f"(params {gib(est.params)}, grads {gib(est.grads)}, optimizer "
             f"state {gib(est.state)}, activations {gib(est.activations)}) of "
             f"{gib(cap)}")

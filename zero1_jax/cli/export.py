@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -58,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     absl_logging.set_verbosity(absl_logging.ERROR)
   except ImportError:  # pragma: no cover
     pass
+  out = os.path.abspath(os.path.expanduser(args.output_dir))
+  if os.path.isdir(out) and os.listdir(out) and not args.overwrite:
+    print(f"zero1-export: error: --output_dir {out} already exists and is not "
+          f"empty (--overwrite replaces it)", file=sys.stderr)
+    return 2
   try:
     from zero1_jax import checkpoint
     step = checkpoint.export_params(args.checkpoint_dir, args.output_dir,
@@ -67,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     return 130
   except Exception as e:  # one line, no traceback: the message says it all
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if not isinstance(e, (ValueError, OSError)):
+    bad_input = isinstance(e, (ValueError, OSError))   # as zero1-train: exit 2
+    if not bad_input:
       msg = f"{type(e).__name__}: {msg}"
     print(f"zero1-export: error: {msg}", file=sys.stderr)
-    return 1
+    return 2 if bad_input else 1
   print(f"zero1-export: wrote the fp32 parameters of step {step} of "
         f"{args.checkpoint_dir} to {args.output_dir}")
   return 0

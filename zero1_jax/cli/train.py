@@ -58,6 +58,16 @@ def _resume_step(args, ckpt_dir: str) -> bool:
       f"right?). Drop --resume to start a new run")
 
 
+def _one_cpu_device_note(n: int, num_devices, multi: bool,
+                         backend: str) -> str | None:
+  """On a CPU, "all devices" (no --num_devices) is one: say that nothing is
+  sharded and how to simulate more."""
+  if n == 1 and not num_devices and not multi and backend == "cpu":
+    return ("[zero1-train] 1 CPU device: nothing is sharded; --num_devices 4 "
+            "simulates 4 devices on this CPU")
+  return None
+
+
 def _setup(args):
   """Joins the job, builds config, model, data and engine; refuses a run
   that cannot fit before the parameters exist."""
@@ -104,6 +114,10 @@ def _setup(args):
       rundir.clear(args.output_dir)
     print(f"[zero1-train] {args.model_name_or_path}: architecture only, "
           f"weights start random (nothing is downloaded).", flush=True)
+    note = _one_cpu_device_note(mesh.size, args.num_devices, multi,
+                                jax.default_backend())
+    if note:
+      print(note, flush=True)
   params = init(jax.random.key(args.seed))
   batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
                             cfg.train_batch_size, seed=args.seed)
@@ -186,14 +200,16 @@ def run(args: argparse.Namespace) -> dict | None:
       json.dump(cfg.to_dict(), f, indent=2)
   history = common.read_history(args.output_dir, engine.global_steps)
   log_lines = args.no_progress or not common.has_progress_bar()
-  bar = common.progress(args.max_steps, initial=engine.global_steps,
-                        disable=log_lines or not main_process)
   t0, start = time.perf_counter(), engine.global_steps
+  bar = None
   try:
     interrupt.check()
     if engine.global_steps < args.max_steps:
       _compiled_check(engine, batches, est, args, main_process)
       t0 = time.perf_counter()
+    # after compiling: its line would land on the bar's, its time in the rate
+    bar = common.progress(args.max_steps, initial=engine.global_steps,
+                          disable=log_lines or not main_process)
     _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
            ckpt_dir)
     bar.close()
@@ -201,7 +217,8 @@ def run(args: argparse.Namespace) -> dict | None:
       engine.wait_checkpoints()
   except KeyboardInterrupt:
     interrupt.handled()
-    bar.close()
+    if bar is not None:
+      bar.close()
     msg = _interrupted(engine, history, args, ckpt_dir, main_process)
     raise common.Interrupted(msg if main_process else "") from None
   if not main_process:
@@ -221,7 +238,8 @@ def run(args: argparse.Namespace) -> dict | None:
           f"(--max_steps {args.max_steps}; a larger one continues it); "
           f"outputs in {args.output_dir}{where}", flush=True)
     return summary
-  done = (f"{engine.global_steps} steps ({engine.skipped_steps} skipped)"
+  done = (f"{engine.global_steps} step{'s' * (engine.global_steps != 1)} "
+          f"({engine.skipped_steps} skipped)"
           if not start else
           f"steps {start + 1}-{engine.global_steps} after resuming at {start} "
           f"({engine.global_steps} in all, {engine.skipped_steps} skipped)")
@@ -261,6 +279,7 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
            ckpt_dir) -> None:
   """The step loop: train, log, save every ``--save_steps``."""
   every = train_args.logging_interval(args, cfg.steps_per_print)
+  first = engine.global_steps + 1     # this invocation's first step: logged
   while engine.global_steps < args.max_steps:
     interrupt.check()
     lr = next(iter(engine.get_lr()), None)   # the rate this update uses
@@ -279,7 +298,7 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
     bar.set_postfix(loss=f"{float('nan') if row['loss'] is None else row['loss']:.3f}",
                     samples_s=f"{row['samples_per_s']:.1f}")
     if main_process and log_lines and (
-        row["step"] == 1 or row["step"] % every == 0
+        row["step"] == first or row["step"] % every == 0
         or row["step"] == args.max_steps):
       print(f"step {row['step']:5d} loss {float('nan') if row['loss'] is None else row['loss']:.4f} scale "
             f"{row['loss_scale']:.0f} {row['samples_per_s']:.1f} samples/s",
