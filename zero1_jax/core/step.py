@@ -278,10 +278,17 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
               jax.tree.map(jnp.add, a0, aux))
 
     first = jax.tree.map(lambda x: x[0], batch)
-    carry = micro(None, first)
-    if accum > 1:
-      rest = jax.tree.map(lambda x: x[1:], batch)
-      carry, _ = jax.lax.scan(lambda c, mb: (micro(c, mb), None), carry, rest)
+    if accum == 1:
+      carry = micro(None, first)
+    else:
+      # Every micro-batch in one loop, from zeros (0 + g is g: the same sums
+      # as starting from the first). A first micro-batch outside the loop
+      # left a loop of one at accum=2, which XLA inlines and then runs both
+      # forwards before the backwards: 1.7x the activation memory (bert-tiny,
+      # 45 vs 26 MB of temporaries), and two copies of the model to compile.
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(micro, None, first))
+      carry, _ = jax.lax.scan(lambda c, mb: (micro(c, mb), None), zeros, batch)
     grads, loss, aux = carry
     metrics = {"loss": jax.lax.pmean(loss / accum, axis)}
     if has_aux:
