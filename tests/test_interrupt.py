@@ -36,7 +36,7 @@ def test_second_ctrl_c_abandons_with_130():
   code = textwrap.dedent("""
       import os, signal, time
       from zero1_jax.cli import interrupt
-      with interrupt.deferred_sigint():
+      with interrupt.deferred_sigint(resume_hint=lambda: "resume from 7"):
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
@@ -46,7 +46,10 @@ def test_second_ctrl_c_abandons_with_130():
                        text=True, timeout=60)
   assert run.returncode == 130, run.stderr
   assert "not reached" not in run.stdout
-  assert "abandoned" in run.stderr and "Traceback" not in run.stderr
+  assert "Traceback" not in run.stderr
+  # the last line says what a resume continues from, as a single Ctrl-C's does
+  assert run.stderr.strip().splitlines()[-1].endswith(
+      "abandoned (its step is not committed); resume from 7"), run.stderr
 
 
 def test_a_ctrl_c_swallowed_by_a_gc_callback_is_raised_at_the_next_check():

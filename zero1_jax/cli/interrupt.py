@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 ABANDONED = 130   # the shell's exit status for SIGINT
 _PENDING = threading.Event()   # a Ctrl-C not yet handled (see remembered)
@@ -69,15 +69,24 @@ def _main_thread_handler() -> object | None:
   return None if old in (signal.SIG_IGN, None) else old
 
 
-def abandon(prog: str = "zero1-train") -> None:
-  """Exits at once with status 130 (a second Ctrl-C)."""
+def abandon(prog: str = "zero1-train",
+            resume_hint: Callable[[], str] | None = None) -> None:
+  """Exits at once with status 130 (a second Ctrl-C), saying what a resume
+  continues from (``resume_hint()``) when given."""
+  try:
+    hint = f"; {resume_hint()}" if resume_hint else ""
+  except Exception:  # pylint: disable=broad-except  # exiting regardless
+    hint = ""
   print(f"{prog}: interrupted again: the checkpoint save in flight is "
-        f"abandoned (its step is not committed)", file=sys.stderr, flush=True)
+        f"abandoned (its step is not committed){hint}", file=sys.stderr,
+        flush=True)
   os._exit(ABANDONED)
 
 
 @contextlib.contextmanager
-def deferred_sigint(prog: str = "zero1-train") -> Iterator[None]:
+def deferred_sigint(prog: str = "zero1-train",
+                    resume_hint: Callable[[], str] | None = None
+                    ) -> Iterator[None]:
   """Holds a first Ctrl-C until the block ends, then raises it; a second
   one calls :func:`abandon`."""
   old = _main_thread_handler()
@@ -89,7 +98,7 @@ def deferred_sigint(prog: str = "zero1-train") -> Iterator[None]:
   def hold(signum, frame):
     del frame
     if got:
-      abandon(prog)
+      abandon(prog, resume_hint)
     got.append(signum)
     print(f"[{prog}] Ctrl-C: stopping once the checkpoint save returns "
           f"(Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
@@ -104,13 +113,16 @@ def deferred_sigint(prog: str = "zero1-train") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def abandon_on_sigint(prog: str = "zero1-train") -> Iterator[None]:
+def abandon_on_sigint(prog: str = "zero1-train",
+                      resume_hint: Callable[[], str] | None = None
+                      ) -> Iterator[None]:
   """While waiting for saves after a Ctrl-C: another one exits at once."""
   old = _main_thread_handler()
   if old is None:
     yield
     return
-  signal.signal(signal.SIGINT, lambda signum, frame: abandon(prog))
+  signal.signal(signal.SIGINT,
+                lambda signum, frame: abandon(prog, resume_hint))
   try:
     yield
   finally:

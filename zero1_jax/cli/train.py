@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> dict | None:
     _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
            ckpt_dir)
     bar.close()
-    with interrupt.deferred_sigint():
+    with interrupt.deferred_sigint(resume_hint=lambda: _where(ckpt_dir)):
       engine.wait_checkpoints()
   except KeyboardInterrupt:
     interrupt.handled()
@@ -249,6 +249,19 @@ def run(args: argparse.Namespace) -> dict | None:
   return summary
 
 
+def _where(ckpt_dir: str) -> str:
+  """The committed step a --resume latest continues from, read from the
+  directory alone: an orbax manager's constructor syncs every process, and
+  another may be stuck in a step this one never joins."""
+  from zero1_jax import checkpoint
+  steps = checkpoint.committed_steps(ckpt_dir)
+  if not steps:
+    return ("no checkpoint was saved yet (--save_steps): --resume latest "
+            "starts again from step 0")
+  return (f"the last checkpoint is step {steps[-1]} in {ckpt_dir}: "
+          f"--resume latest continues from it")
+
+
 def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
   """Ctrl-C: lets a save in flight commit (a second Ctrl-C abandons it) and
   says where the run stands and how to continue it."""
@@ -256,19 +269,11 @@ def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
     print("[zero1-train] interrupted: finishing any checkpoint save in flight "
           "(Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
   try:
-    with interrupt.abandon_on_sigint():
+    with interrupt.abandon_on_sigint(resume_hint=lambda: _where(ckpt_dir)):
       engine.wait_checkpoints()
   except Exception:  # noqa: BLE001 - a failed save: not committed, see below
     pass
-  from zero1_jax import checkpoint
-  # From the directory alone: an orbax manager's constructor syncs every
-  # process, and another may be stuck in a step this one never joins.
-  steps = checkpoint.committed_steps(ckpt_dir)
-  last = steps[-1] if steps else None
-  where = (f"the last checkpoint is step {last} in {ckpt_dir}: "
-           f"--resume latest continues from it" if last is not None else
-           "no checkpoint was saved yet (--save_steps): --resume latest "
-           "starts again from step 0")
+  where = _where(ckpt_dir)
   if not history:
     return f"interrupted before the first step; {where}"
   return (f"interrupted after step {history[-1]['step']} (its metrics are in "
@@ -305,7 +310,8 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
             flush=True)
     if args.save_steps and (engine.global_steps % args.save_steps == 0
                             or engine.global_steps == args.max_steps):
-      with interrupt.deferred_sigint():   # never inside orbax
+      with interrupt.deferred_sigint(    # never inside orbax
+          resume_hint=lambda: _where(ckpt_dir)):
         engine.save_checkpoint(
             ckpt_dir, extra={"data_step": engine.global_steps, "seed": args.seed},
             max_to_keep=args.save_total_limit)
