@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 test: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests zero1_jax --doctest-modules
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests zero1_jax --doctest-modules
 
 DEMO_STEPS ?= 300
 
