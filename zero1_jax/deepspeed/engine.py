@@ -119,8 +119,8 @@ class Engine:
     skipped_steps: steps skipped for fp16 overflow or a non-finite gradient
       norm (fp32, bf16 with check_grad_overflow), as DeepSpeed 0.19.
     steps_per_print: log DeepSpeed's ``step=, skipped=, lr=`` line (and the
-      loss) at INFO every this many steps (the config's, default 10); None:
-      never.
+      loss) at INFO every this many steps (the config's); None (DeepSpeed
+      0.19's default): never.
     config, tx, mesh.
   """
 
@@ -135,9 +135,9 @@ class Engine:
         self.tx, params, mesh, param_dtype=compute_dtype(config))
     self.global_steps = 0
     self.skipped_steps = 0
-    # DeepSpeed's step line every steps_per_print steps (its default 10);
-    # None: no line (zero1-train prints its own)
-    self.steps_per_print: int | None = config.steps_per_print or 10
+    # DeepSpeed's step line every steps_per_print steps; None (0.19.8's
+    # default, runtime/constants.py:46): no line
+    self.steps_per_print: int | None = config.steps_per_print
     self._ckpts: dict = {}
     self._step = zstep.train_step(
         loss_fn, self.tx, mesh,
