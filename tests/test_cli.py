@@ -144,49 +144,43 @@ def test_own_warnings_are_one_line_each(tmp_path, capsys):
   assert "UserWarning" not in err and "config.py" not in err, err
 
 
-def test_memory_plot_of_a_multi_process_run_says_whose_ranks(tmp_path):
-  """Process 0 writes the plot with its own ranks only: the title says so
-  (2 bars under 'N=4' read as missing data)."""
+def _axes_texts(monkeypatch, method: str) -> list[str]:
+  """The texts memory_bars passes to ``plt.Axes.<method>``, in order."""
   pytest.importorskip("matplotlib")
   from matplotlib import pyplot as plt
-  from zero1_jax.cli import plots
-  titles = []
-  real = plt.Axes.set_title
+  got, real = [], getattr(plt.Axes, method)
+
   def spy(ax, text, *a, **k):
-    titles.append(text)
+    got.append(text)
     return real(ax, text, *a, **k)
-  plt.Axes.set_title = spy
-  try:
-    for ranks in ([0, 1], [0, 1, 2, 3]):
-      plots.memory_bars({"num_devices": 4, "ranks": ranks,
-                         "replicated_bytes": 4e6,
-                         "zero1_bytes_per_rank": [1e6] * len(ranks)},
-                        str(tmp_path / f"m{len(ranks)}.png"))
-  finally:
-    plt.Axes.set_title = real
+  monkeypatch.setattr(plt.Axes, method, spy)
+  return got
+
+
+def test_memory_plot_of_a_multi_process_run_says_whose_ranks(tmp_path,
+                                                             monkeypatch):
+  """Process 0 writes the plot with its own ranks only: the title says so
+  (2 bars under 'N=4' read as missing data)."""
+  titles = _axes_texts(monkeypatch, "set_title")
+  from zero1_jax.cli import plots
+  for ranks in ([0, 1], [0, 1, 2, 3]):
+    plots.memory_bars({"num_devices": 4, "ranks": ranks,
+                       "replicated_bytes": 4e6,
+                       "zero1_bytes_per_rank": [1e6] * len(ranks)},
+                      str(tmp_path / f"m{len(ranks)}.png"))
   assert titles == ["Optimizer state per device, N=4: process 0's ranks (measured)",
                     "Optimizer state per device, N=4 (measured)"]
 
 
-def test_memory_plot_says_master_only_when_there_is_one(tmp_path):
+def test_memory_plot_says_master_only_when_there_is_one(tmp_path, monkeypatch):
   """fp32 params are their own master (the state holds none): the axis of
   an fp32 run must not say "master incl."; a 16-bit run's state holds it."""
-  pytest.importorskip("matplotlib")
-  from matplotlib import pyplot as plt
+  labels = _axes_texts(monkeypatch, "set_ylabel")
   from zero1_jax.cli import plots
-  labels = []
-  real = plt.Axes.set_ylabel
-  def spy(ax, text, *a, **k):
-    labels.append(text)
-    return real(ax, text, *a, **k)
-  plt.Axes.set_ylabel = spy
-  try:
-    for fp32 in (True, False):
-      plots.memory_bars({"num_devices": 2, "replicated_bytes": 4e6,
-                         "zero1_bytes_per_rank": [2e6] * 2,
-                         "fp32_params": fp32}, str(tmp_path / f"{fp32}.png"))
-  finally:
-    plt.Axes.set_ylabel = real
+  for fp32 in (True, False):
+    plots.memory_bars({"num_devices": 2, "replicated_bytes": 4e6,
+                       "zero1_bytes_per_rank": [2e6] * 2,
+                       "fp32_params": fp32}, str(tmp_path / f"{fp32}.png"))
   assert labels == ["optimizer state (MiB)",
                     "optimizer state, fp32 master incl. (MiB)"]
 
