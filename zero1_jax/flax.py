@@ -195,3 +195,32 @@ class NnxTrainer:
 
 def _brief(e: Exception) -> str:
   return (str(e).splitlines() or [""])[0][:200]
+
+
+def assign(variables: Any, values: Any) -> None:
+  """Sets each nnx ``Variable`` in ``variables`` to the matching leaf of
+  ``values``: e.g. an ``nnx.Optimizer``'s ``opt_state`` to the state
+  :meth:`zero1_jax.checkpoint.Checkpointer.restore` returned (bare arrays,
+  sharded for the mesh restored onto).
+
+  Example::
+
+    params, opt_state, extra = ckpt.restore(None, tx, nnx.state(model, nnx.Param), mesh)
+    nnx.update(model, params)
+    z1.flax.assign(optimizer.opt_state, opt_state)
+
+  Raises:
+    ValueError: the trees differ (another optimizer, or not Variables).
+  """
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  targets = jax.tree.leaves(variables, is_leaf=is_var)
+  got = jax.tree.leaves(values)
+  if len(targets) != len(got) or not all(map(is_var, targets)):
+    raise ValueError(
+        f"zero1 flax.assign: {len(targets)} targets ("
+        f"{sum(map(is_var, targets))} nnx Variables) for {len(got)} values; "
+        f"pass the optimizer's opt_state and the state restored for the same "
+        f"optimizer")
+  for var, x in zip(targets, got):
+    var.set_value(x)
+

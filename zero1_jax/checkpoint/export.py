@@ -16,7 +16,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zero1_jax.checkpoint import lifecycle, reshard
-from zero1_jax.checkpoint.manager import Checkpointer, quiet_failed_reads
+from zero1_jax.checkpoint.lifecycle import quiet_failed_reads
+from zero1_jax.checkpoint.manager import Checkpointer
 from zero1_jax.checkpoint.reshard import CheckpointError, UnreadableCheckpointError
 
 __all__ = ["export_params", "load_params"]

@@ -5,7 +5,9 @@ threads that need ``concurrent.futures`` executors; at interpreter exit those
 executors stop taking work before ``atexit`` handlers run, so a save still in
 flight then is lost. :func:`finish_at_exit` runs its callbacks before that.
 On CPython 3.12.0 to 3.12.2 no thread can start once shutdown has begun, so
-there :func:`async_save_allowed` turns asynchronous saves off.
+there :func:`async_save_allowed` turns asynchronous saves off. A failed
+concurrent read leaves asyncio noise behind: :func:`quiet_failed_reads`
+drops it.
 
 Example:
   >>> import os
@@ -18,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -109,3 +112,32 @@ def async_save_allowed(requested: bool) -> bool:
         f"on this Python. Use Python 3.12.3 or later for asynchronous saves.",
         RuntimeWarning, stacklevel=3)
   return False
+
+
+def _noise(r: logging.LogRecord) -> bool:
+  m = r.getMessage()
+  return (m.startswith(("Task exception was never retrieved",
+                        "Future exception was never retrieved"))
+          and ("orbax" in m or "tensorstore_spec" in m))
+
+
+def quiet_failed_reads() -> None:
+  """When one of orbax's concurrent reads fails, the others finish after its
+  event loop closed and print 'Event loop is closed' / 'Task exception was
+  never retrieved' tracebacks. The error itself is already raised with a clear
+  message; drop that noise (only it) from then on."""
+  if not getattr(sys.unraisablehook, "_zero1", False):
+    prev = sys.unraisablehook
+
+    def hook(u):
+      if not (isinstance(u.exc_value, RuntimeError)
+              and str(u.exc_value) == "Event loop is closed"):
+        prev(u)
+
+    hook._zero1 = True
+    sys.unraisablehook = hook
+  aio = logging.getLogger("asyncio")
+  if _noise not in [getattr(f, "__wrapped__", None) for f in aio.filters]:
+    f = lambda r: not _noise(r)
+    f.__wrapped__ = _noise
+    aio.addFilter(f)

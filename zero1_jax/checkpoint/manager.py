@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from typing import Any
 
 import jax
@@ -41,9 +40,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from zero1_jax.checkpoint import lifecycle, reshard, steps
+from zero1_jax.checkpoint.lifecycle import quiet_failed_reads
 from zero1_jax.checkpoint.reshard import (CheckpointError, CheckpointMismatchError,
                                           CheckpointSaveError,
                                           UnreadableCheckpointError)
+from zero1_jax.core import param_axes as pax
 from zero1_jax.core.transform import Zero1State
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointMismatchError",
@@ -54,35 +55,6 @@ log = logging.getLogger(__name__)
 _FILES = "zero1_files.json"      # every file of a committed step and its size
 _REQUIRED = {"params": "_METADATA", "state": "_METADATA", "meta": "metadata",
              "extra": "metadata"}
-
-
-def _noise(r: logging.LogRecord) -> bool:
-  m = r.getMessage()
-  return (m.startswith(("Task exception was never retrieved",
-                        "Future exception was never retrieved"))
-          and ("orbax" in m or "tensorstore_spec" in m))
-
-
-def quiet_failed_reads() -> None:
-  """When one of orbax's concurrent reads fails, the others finish after its
-  event loop closed and print 'Event loop is closed' / 'Task exception was
-  never retrieved' tracebacks. The error itself is already raised with a clear
-  message; drop that noise (only it) from then on."""
-  if not getattr(sys.unraisablehook, "_zero1", False):
-    prev = sys.unraisablehook
-
-    def hook(u):
-      if not (isinstance(u.exc_value, RuntimeError)
-              and str(u.exc_value) == "Event loop is closed"):
-        prev(u)
-
-    hook._zero1 = True
-    sys.unraisablehook = hook
-  aio = logging.getLogger("asyncio")
-  if _noise not in [getattr(f, "__wrapped__", None) for f in aio.filters]:
-    f = lambda r: not _noise(r)
-    f.__wrapped__ = _noise
-    aio.addFilter(f)
 
 
 class Checkpointer:
@@ -166,6 +138,10 @@ class Checkpointer:
     if not isinstance(opt_state, Zero1State):
       raise CheckpointError(f"zero1 checkpoint: opt_state must be a "
                             f"Zero1State, got {type(opt_state).__name__}")
+    # nnx: nnx.state(model, nnx.Param) and nnx.Optimizer's opt_state hold
+    # Variables; stored as their values, the checkpoint restores with or
+    # without them
+    params, opt_state = pax.strip_variables((params, opt_state))
     step = int(step)
     extra = reshard.jsonable(extra or {}, "extra")
     meta = reshard.manifest(params, opt_state, reshard.jsonable(config, "config"))
@@ -379,13 +355,22 @@ class Checkpointer:
         (``--resume latest-valid``). Tree/shape mismatches never fall back.
 
     Returns:
-      ``(params, opt_state, extra)``.
+      ``(params, opt_state, extra)``; params in ``params_template``'s nnx
+      Variables if it has them (``nnx.update(model, params)``; put the
+      state into an ``nnx.Optimizer`` with :func:`zero1_jax.flax.assign`).
 
     Raises:
       UnreadableCheckpointError: names the step and the file.
       CheckpointMismatchError: names the first parameter/state path that
         differs.
     """
+    like, params_template = params_template, pax.strip_variables(
+        params_template)
+    params, opt_state, extra = self._restore(step, tx, params_template, mesh,
+                                             fallback_to_valid)
+    return pax.rewrap_variables(like, params), opt_state, extra
+
+  def _restore(self, step, tx, params_template, mesh, fallback_to_valid):
     self.wait()
     if not fallback_to_valid:
       return self._restore_one(self._resolve(step), tx, params_template, mesh)
