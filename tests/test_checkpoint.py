@@ -299,6 +299,19 @@ def test_tree_or_shape_mismatch_names_the_path(saved):
     ck.restore(K, sgd, saved.params, mesh(4))
 
 
+def test_a_plain_orbax_checkpoint_is_named_as_such(tmp_path):
+  """A TrainState saved with orbax itself, then given to zero1's restore:
+  it said "incomplete: file 5/params/_METADATA is missing" of a complete
+  checkpoint."""
+  import orbax.checkpoint as ocp
+  with ocp.CheckpointManager(tmp_path / "plain") as m:
+    m.save(5, args=ocp.args.StandardSave({"w": np.ones(3, np.float32)}))
+  with pytest.raises(zc.UnreadableCheckpointError,
+                     match=r"step 5 .* is not a zero1_jax checkpoint \(it holds "
+                           r"\['default'\]: written by orbax itself\?\)"):
+    zc.Checkpointer(tmp_path / "plain").restore(None, TX, odd_params(), mesh(2))
+
+
 def test_save_options_and_errors(saved, tmp_path):
   ck = zc.Checkpointer(tmp_path, async_save=False, max_to_keep=2)
   p, s = z1.init(TX, saved.params, mesh(2))

@@ -251,6 +251,13 @@ class Checkpointer:
       raise UnreadableCheckpointError(
           f"{where} was never committed (no {step}/{steps.COMMIT}): an interrupted "
           f"save; it is never loaded")
+    if not any((path / item).exists() for item in _REQUIRED):
+      items = sorted(p.name for p in path.iterdir() if p.is_dir())
+      raise UnreadableCheckpointError(
+          f"{where} is not a zero1_jax checkpoint (it holds {items}: written "
+          f"by orbax itself?); zero1_jax.checkpoint reads what its "
+          f"Checkpointer.save wrote. Restore this one with orbax at the N it "
+          f"was saved at")
     for item, name in _REQUIRED.items():
       if not (path / item / name).exists():
         raise UnreadableCheckpointError(
