@@ -261,6 +261,13 @@ def test_mesh_from_the_arrays_without_set_mesh():
   grads = jax.device_put({"w": jnp.ones(6)}, NamedSharding(m, P()))
   updates, _ = jax.jit(tx.update)(grads, state, params)
   np.testing.assert_array_equal(updates["w"], -0.5 * np.ones(6))
+  # the state's mesh when nothing else has one: a TrainState created under
+  # jax.set_mesh, its step jitted outside it (was "no mesh was found ... no
+  # argument has a NamedSharding", though the state has one)
+  with jax.set_mesh(m):
+    state = tx.init({"w": jnp.arange(6.0)})
+  updates, _ = jax.jit(tx.update)({"w": jnp.ones(6)}, state, {"w": jnp.arange(6.0)})
+  np.testing.assert_array_equal(updates["w"], -0.5 * np.ones(6))
 
 
 def test_mixed_reduced_and_plain_params_are_refused():

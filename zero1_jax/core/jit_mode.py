@@ -76,7 +76,9 @@ def _no_mesh(axis: str, why: str) -> ValueError:
 def find_mesh(axis: str, *trees: Any) -> tuple[Any, Any]:
   """``(mesh for jax.shard_map, the mesh)``: the ``jax.set_mesh`` mesh
   (``None`` for shard_map: it reads the context), else the mesh of the first
-  array in ``trees`` with a ``NamedSharding`` that has ``axis``.
+  array in ``trees`` with a ``NamedSharding`` that has ``axis`` (params,
+  then gradients, then the optimizer state: a state made under
+  ``jax.set_mesh`` carries its mesh into a step jitted outside it).
 
   Raises:
     ValueError: no such mesh, naming the fix (``jax.set_mesh`` or shard_map).
@@ -250,7 +252,7 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
   their own sharding over other axes), so ``optax.apply_updates`` keeps the
   params' placement."""
   axis = tx.config.axis_name
-  mesh, where = find_mesh(axis, params, grads)
+  mesh, where = find_mesh(axis, params, grads, state)
   n = where.shape[axis]
   off = _off_mesh(mesh, {"params": params, "grads": grads})
   if off:
