@@ -118,6 +118,10 @@ def test_nan_batch_is_applied_as_in_optax_or_skipped_when_asked(dtype):
     p, s, m = step(p, s, nan)
     assert np.isnan(float(m["grad_norm"])) and bool(m["skipped"]) == skip
     runs[skip] = step(p, s, good[1])[:2]
+    # where no metrics come back (plain jit), the state says which step was
+    # skipped: DeepSpeed's cur_iter and last_overflow_iter
+    ls = runs[skip][1].loss_scale
+    assert (int(ls.step), int(ls.last_overflow)) == (3, 1 if skip else -1)
   assert np.isnan(np.asarray(runs[False][0]["dense"]["kernel"], np.float32)).all()
   # The same program without the NaN batch (another program may contract
   # Adam's moment update into an FMA differently: 1 ulp in mu).

@@ -44,6 +44,13 @@ class LossScaleState(NamedTuple):
   hysteresis: jax.Array         # i32[]  DeepSpeed's cur_hysteresis
 
 
+def _count(state: LossScaleState, overflow) -> LossScaleState:
+  """One more step; ``last_overflow`` set to it if it overflowed."""
+  return state._replace(
+      step=state.step + 1,
+      last_overflow=jnp.where(overflow, state.step, state.last_overflow))
+
+
 @dataclasses.dataclass(frozen=True)
 class NoLossScale:
   """No loss scaling (fp32 and bf16 training).
@@ -62,8 +69,10 @@ class NoLossScale:
     return _state(1.0, 1)
 
   def update(self, state: LossScaleState, overflow) -> LossScaleState:
-    del overflow
-    return state
+    # No scale to change; the counters say where a non-finite step was (in
+    # plain jit, where no metrics come back): ``last_overflow`` is the
+    # ``step`` of the latest one, -1 if none
+    return _count(state, overflow)
 
   @property
   def skips_on_overflow(self) -> bool:
@@ -88,7 +97,7 @@ class StaticLossScale:
     return _state(self.scale, 1)
 
   def update(self, state: LossScaleState, overflow) -> LossScaleState:
-    return state._replace(step=state.step + 1)
+    return _count(state, overflow)
 
   @property
   def skips_on_overflow(self) -> bool:
