@@ -95,3 +95,34 @@ def test_zero1_train_ctrl_c_while_starting_exits_130(tmp_path):
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 130, (proc.returncode, err[-2000:])
   assert "interrupted" in err and "Traceback" not in err, err[-2000:]
+
+
+def test_zero1_train_ctrl_c_while_importing_jax_exits_130(tmp_path):
+  """A Ctrl-C in the first seconds, while jax loads: `import zero1_jax`
+  imported jax before zero1-train's own handling began (Python's
+  KeyboardInterrupt traceback), and one inside jaxlib's initialisation
+  crashed the interpreter (SIGSEGV, SIGABRT). Now the package's names
+  resolve on first use, and the command loads jax with Ctrl-C held: one
+  line, exit 130. The signal is sent once jaxlib's library is mapped into
+  the process; removing either half fails this."""
+  cfg = tmp_path / "ds.json"
+  cfg.write_text('{"train_batch_size": 4, "optimizer": {"type": "AdamW", '
+                 '"params": {"lr": 1e-3}}}')
+  cmd = [sys.executable, "-m", "zero1_jax.cli.train", "--deepspeed", str(cfg),
+         "--num_devices", "4", "--model_name_or_path", "bert-tiny",
+         "--max_steps", "5", "--no_progress", "--output_dir", str(tmp_path / "o")]
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env={**os.environ, "XLA_FLAGS": ""})
+  maps = f"/proc/{proc.pid}/maps"
+  deadline = time.time() + 60
+  while time.time() < deadline and proc.poll() is None:
+    try:
+      if "jaxlib" in open(maps).read():
+        break
+    except OSError:
+      pass
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, (proc.returncode, err[-2000:])
+  assert "Traceback" not in err and "interrupted" in err, err[-2000:]

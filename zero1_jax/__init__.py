@@ -12,19 +12,61 @@ the DeepSpeed front door (:mod:`zero1_jax.deepspeed`) build on it.
 ('data', 'reduce_scatter', None)
 """
 
-from zero1_jax import checkpoint, deepspeed, distributed, flax, inspect
-from zero1_jax.core import specs
-from zero1_jax.core.inner_state import inner_state
-from zero1_jax.core.jit_mode import reduced_params
-from zero1_jax.core.layout import Layout, plan
-from zero1_jax.core.precision import (DynamicLossScale, LossScaleState,
-                                      NoLossScale, StaticLossScale)
-from zero1_jax.core.step import init, state_shardings, train_step
-from zero1_jax.core.transform import (StepInfo, Zero1Config, Zero1State,
-                                      Zero1Transformation, loss_scale, zero1)
-from zero1_jax.core.zero2 import zero2
-from zero1_jax.deepspeed import (ConfigError, DeepSpeedConfig, Engine,
-                                 initialize, load_config)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names resolve on first use (PEP 562): importing zero1_jax does not import
+# jax, so zero1-train starts at once (--help, a Ctrl-C while it loads) and
+# sets up its devices before jax does.
+_SOURCES = {
+    "specs": "zero1_jax.core.specs",
+    "inner_state": "zero1_jax.core.inner_state",
+    "reduced_params": "zero1_jax.core.jit_mode",
+    "Layout": "zero1_jax.core.layout", "plan": "zero1_jax.core.layout",
+    **dict.fromkeys(("DynamicLossScale", "LossScaleState", "NoLossScale",
+                     "StaticLossScale"), "zero1_jax.core.precision"),
+    **dict.fromkeys(("init", "state_shardings", "train_step"),
+                    "zero1_jax.core.step"),
+    **dict.fromkeys(("StepInfo", "Zero1Config", "Zero1State",
+                     "Zero1Transformation", "loss_scale", "zero1"),
+                    "zero1_jax.core.transform"),
+    "zero2": "zero1_jax.core.zero2",
+    **dict.fromkeys(("ConfigError", "DeepSpeedConfig", "Engine", "initialize",
+                     "load_config"), "zero1_jax.deepspeed"),
+}
+_SUBPACKAGES = ("checkpoint", "cli", "core", "data", "deepspeed",
+                "distributed", "flax", "inspect", "models")
+
+
+def __getattr__(name: str) -> Any:
+  if name in _SUBPACKAGES:
+    return importlib.import_module(f"zero1_jax.{name}")
+  if name not in _SOURCES:
+    raise AttributeError(f"module 'zero1_jax' has no attribute {name!r}")
+  module = importlib.import_module(_SOURCES[name])
+  value = module if name == "specs" else getattr(module, name)   # a module
+  globals()[name] = value     # once: later lookups skip __getattr__
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))
+
+
+if TYPE_CHECKING:   # what the names are, for type checkers and IDEs
+  from zero1_jax import checkpoint, deepspeed, distributed, flax, inspect
+  from zero1_jax.core import specs
+  from zero1_jax.core.inner_state import inner_state
+  from zero1_jax.core.jit_mode import reduced_params
+  from zero1_jax.core.layout import Layout, plan
+  from zero1_jax.core.precision import (DynamicLossScale, LossScaleState,
+                                        NoLossScale, StaticLossScale)
+  from zero1_jax.core.step import init, state_shardings, train_step
+  from zero1_jax.core.transform import (StepInfo, Zero1Config, Zero1State,
+                                        Zero1Transformation, loss_scale, zero1)
+  from zero1_jax.core.zero2 import zero2
+  from zero1_jax.deepspeed import (ConfigError, DeepSpeedConfig, Engine,
+                                   initialize, load_config)
 
 __all__ = [
     "ConfigError", "DeepSpeedConfig", "DynamicLossScale", "Engine", "Layout",

@@ -3,6 +3,7 @@ count, the data mesh, the seed's memory log, progress, outputs, errors."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -49,7 +50,12 @@ def start_jax(num_devices: int | None):
   the platform (set before the backend starts); GPU hosts use real ones."""
   if num_devices is not None and num_devices < 1:
     raise UsageError(f"--num_devices must be >= 1, got {num_devices}")
+  # Everything heavy, now: run under interrupt.held() (a Ctrl-C inside an
+  # extension's initialisation, jaxlib's or tensorstore's, can crash the
+  # interpreter: seen SIGSEGV and SIGABRT), nothing loads later.
   import jax
+  for name in ("flax.linen", "optax", "orbax.checkpoint"):
+    importlib.import_module(name)
   if num_devices:
     try:
       jax.config.update("jax_num_cpu_devices", num_devices)
@@ -282,10 +288,11 @@ def _one_line_own_warnings() -> None:
     return
   default = warnings.showwarning
 
-  from zero1_jax.deepspeed.schema import NotHonouredWarning
-
   def show(message, category, filename, lineno, file=None, line=None):
-    if (issubclass(category, NotHonouredWarning)   # attributed to the caller
+    # a category of zero1_jax's (NotHonouredWarning: attributed to the
+    # caller's line), or raised in zero1_jax; no import here, which would
+    # load jax before the command's own Ctrl-C handling
+    if (category.__module__.startswith("zero1_jax.")
         or os.path.abspath(filename).startswith(_PKG_DIR + os.sep)):
       print(f"[zero1_jax] warning: {message}", file=file or sys.stderr, flush=True)
     else:
@@ -313,7 +320,6 @@ def release_notes() -> None:
 def guarded(fn: Callable, args, prog: str) -> int:
   """Runs ``fn(args)``; bad input becomes one line on stderr and exit 2,
   Ctrl-C one line and exit 130 (the shell's code for SIGINT)."""
-  from zero1_jax.deepspeed.config import ConfigError
   try:
     fn(args)
   except Interrupted as e:
@@ -324,7 +330,7 @@ def guarded(fn: Callable, args, prog: str) -> int:
     drop_notes()
     print(f"{prog}: interrupted", file=sys.stderr)
     return 130
-  except (UsageError, ConfigError, ValueError, OSError) as e:
+  except (UsageError, ValueError, OSError) as e:   # ConfigError is a ValueError
     drop_notes()
     print(f"{prog}: error: {e}", file=sys.stderr)
     return 2

@@ -84,6 +84,32 @@ def abandon(prog: str = "zero1-train",
 
 
 @contextlib.contextmanager
+def held(prog: str = "zero1-train") -> Iterator[None]:
+  """Holds a Ctrl-C until the block ends, then raises KeyboardInterrupt; a
+  second one exits at once with 130 and one line."""
+  old = _main_thread_handler()
+  if old is None:
+    yield
+    return
+  got = []
+
+  def hold(signum, frame):
+    del frame
+    if got:
+      print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+      os._exit(ABANDONED)
+    got.append(signum)
+
+  signal.signal(signal.SIGINT, hold)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, old)
+  if got:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def deferred_sigint(prog: str = "zero1-train",
                     resume_hint: Callable[[], str] | None = None
                     ) -> Iterator[None]:

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from zero1_jax.cli import (common, config_flags, hf_auto, interrupt, memory,
+from zero1_jax.cli import (common, config_flags, hf_auto, interrupt,
                             rundir, train_args)
 
 log = logging.getLogger("zero1_jax")
@@ -71,8 +71,9 @@ def _one_cpu_device_note(n: int, num_devices, multi: bool,
 def _setup(args):
   """Joins the job, builds config, model, data and engine; refuses a run
   that cannot fit before the parameters exist."""
-  common.overlap_flags(args.deepspeed)
-  jax = common.start_jax(args.num_devices)
+  with interrupt.held():   # a Ctrl-C while jax loads: exit 130, no crash
+    common.overlap_flags(args.deepspeed)
+    jax = common.start_jax(args.num_devices)
   from zero1_jax import data
   from zero1_jax.models import bert
   from zero1_jax.deepspeed import config as zconfig
@@ -104,6 +105,7 @@ def _setup(args):
                           max_len=args.seq_len, dtype=dtype)
   resume = _resume_step(args, os.path.join(args.output_dir, "checkpoints"))
   init = lambda key: bert.init_params(mcfg, key)
+  from zero1_jax.cli import memory   # imports jax: after start_jax
   est = memory.check(mcfg, init, cfg, mesh, args.seq_len,
                      model=args.model_name_or_path,
                      ignore=args.ignore_memory_estimate,
