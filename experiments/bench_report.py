@@ -122,13 +122,14 @@ def tables(res: dict) -> str:
     for r in mem:
       base = next((x for x in mem if x["n"] == n0 and x["dtype"] == r["dtype"]
                    and x["method"] == r["method"]), None)
-      if base is None:    # zero1_in_place: measured at the largest N only
-        base = dict(peak=r["peak"], theory_model_states=r["theory_model_states"])
+      # zero1_in_place is measured at the largest N only: no saving to show
+      saved = "-" if base is None else _mb(base["peak"] - r["peak"])
+      predicted = ("-" if base is None else
+                   _mb(base["theory_model_states"] - r["theory_model_states"]))
       lines.append(
           f"| {r['dtype']} | {r['n']} | {r['method']} | {_mb(r['argument'])} "
           f"| {_mb(r['output'])} | {_mb(r['alias'])} | {_mb(r['temp'])} | {_mb(r['peak'])} "
-          f"| {_mb(r['theory_total'])} | {r['ratio']:.3f} | {_mb(base['peak'] - r['peak'])} "
-          f"| {_mb(base['theory_model_states'] - r['theory_model_states'])} |")
+          f"| {_mb(r['theory_total'])} | {r['ratio']:.3f} | {saved} | {predicted} |")
     lines += ["", "MB of argument/output/alias/temp/peak per device. saved = peak at the "
               f"smallest N ({n0}) minus peak at N; predicted saving = the same difference "
               "of the model-state formula (activations cancel).", ""]
@@ -162,7 +163,7 @@ def tables(res: dict) -> str:
               f"{sp[0]['global_batch']} x {sp[0]['seq_len']} (interleaved, median)", "",
               "| model | Psi | rounds | ZeRO-1 RS ms | ZeRO-1 AR ms | DDP ms | GSPMD ms "
               "| ZeRO-1/DDP | ZeRO-1/GSPMD | ZeRO-1 AR/DDP | peak MB ZeRO-1 / DDP / GSPMD |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sp:
       t = r["times"]
       mm = r["memory"]
