@@ -235,18 +235,21 @@ def main(argv=None) -> int:
       copy_repo(where, files)
       (where / m.path).write_text(sources[m.name].replace(m.old, m.new))
       rc, secs, tail = run_tests(where, m.tests, args.python)
-      caught = rc != 0
+      # pytest's 1: a test failed. 2 (collection error, e.g. the mutant does
+      # not import), 4 or 5 (no tests) would hide a surviving mutant
+      caught = rc == 1
       ok &= caught
-      rows.append((m.name, " ".join(m.tests), "yes" if caught else "NO (survived)",
-                   f"{secs:.0f}"))
-      print(f"{m.name}: {'caught' if caught else 'SURVIVED'} ({secs:.0f} s)",
+      verdict = ("yes" if caught else "NO (survived)" if rc == 0
+                 else f"ERROR (pytest exit {rc})")
+      rows.append((m.name, " ".join(m.tests), verdict, f"{secs:.0f}"))
+      print(f"{m.name}: {'caught' if caught else verdict} ({secs:.0f} s)",
             flush=True)
       if args.verbose or not caught:
         print("  " + tail.replace("\n", "\n  "))
       shutil.rmtree(where)
 
   print()
-  print("| mutant | tests run | caught (exit != 0) | seconds |")
+  print("| mutant | tests run | caught (a test failed) | seconds |")
   print("|---|---|---|---|")
   for r in rows:
     print("| " + " | ".join(r) + " |")
