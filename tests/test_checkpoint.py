@@ -351,6 +351,9 @@ def test_damaged_steps_are_named_and_fallback_is_explicit(saved, tmp_path,
   meta["commit_timestamp_nsecs"] = None
   (d / "12/_CHECKPOINT_METADATA").write_text(json.dumps(meta))
   shutil.copytree(src, d / "13.orbax-checkpoint-tmp-1234")
+  # steps made by copying, not saved: no 'latest' file names the last save
+  # (as in a directory of an earlier version), so the highest one is latest
+  (d / "latest").unlink()
 
   ck = zc.Checkpointer(d)
   assert ck.all_steps() == [K, 10, 11, 14] and ck.latest_step() == 14

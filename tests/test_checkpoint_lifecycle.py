@@ -8,6 +8,7 @@ import sys
 import textwrap
 import warnings
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -53,6 +54,26 @@ def test_relative_paths_everywhere(tmp_path, monkeypatch):
   z1.checkpoint.Checkpointer("ckpt").restore(None, tx, p, mesh(2))
   assert z1.checkpoint.export_params("ckpt", "fp32") == 1
   assert set(z1.checkpoint.load_params("fp32")) == {"w", "b"}
+
+
+def test_latest_is_the_last_save_for_every_reader(tmp_path):
+  """Saves 1, 2, 3, then 2 again (a run resumed from 1): step 3 is left from
+  the run before. latest_step(), restore(None) and export_params took the
+  highest step, 3, while the engine and zero1-train --resume took the last
+  save, 2 (seen: zero1-export wrote the abandoned run's weights). Now all
+  take 2 (DeepSpeed's 'latest' file), and 3 only if 2 never committed."""
+  tx, p, s = small()
+  with z1.checkpoint.Checkpointer(tmp_path / "ck") as ck:
+    for i in (1, 2, 3):
+      ck.save(i, p, s, extra={"i": i})
+    ck.save(2, jax.tree.map(lambda x: x + 1, p), s, extra={"i": 20}, force=True)
+  ck = z1.checkpoint.Checkpointer(tmp_path / "ck")
+  assert ck.all_steps() == [1, 2, 3] and ck.latest_step() == 2
+  assert ck.restore(None, tx, p, mesh(2))[2]["i"] == 20
+  assert z1.checkpoint.export_params(tmp_path / "ck", tmp_path / "fp32") == 2
+  assert z1.checkpoint.steps.latest_step(tmp_path / "ck") == 2
+  (tmp_path / "ck" / "latest").write_text("7\n")   # a save that never committed
+  assert ck.latest_step() == 3
 
 
 def test_export_cli_with_relative_paths(tmp_path, monkeypatch):

@@ -31,7 +31,8 @@ def test_readme_checkpoint_example_runs_as_written_from_another_dir(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-  assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "2", "3"]
+  assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+      "1", "2", "3", "latest"]     # latest: the last save, as DeepSpeed's
   assert (tmp_path / "fp32_params" / "_METADATA").exists()
 
 

@@ -117,8 +117,10 @@ class Checkpointer:
     return steps.committed_steps(self.directory)
 
   def latest_step(self) -> int | None:
-    steps = self.all_steps()
-    return steps[-1] if steps else None
+    """The step a resume continues from: the last saved (the directory's
+    ``latest`` file, as DeepSpeed) if it committed, else the highest
+    committed one (:func:`zero1_jax.checkpoint.steps.latest_step`)."""
+    return steps.latest_step(self.directory)
 
   # -- save -----------------------------------------------------------------
 
@@ -165,6 +167,8 @@ class Checkpointer:
           extra=ocp.args.JsonSave(extra)))
     except Exception as e:  # orbax / tensorstore / the file system
       raise self._save_failed(e) from e
+    if jax.process_index() == 0:   # what latest_step() returns once committed
+      steps.write_latest(self.directory, step)
     if not self._async:
       self.wait()
 
@@ -382,7 +386,9 @@ class Checkpointer:
     if not fallback_to_valid:
       return self._restore_one(self._resolve(step), tx, params_template, mesh)
     dirs = steps.step_dirs(self.directory)
-    top = int(step) if step is not None else max(dirs, default=None)
+    named = steps.read_latest(self.directory)   # the last save, as latest_step
+    top = (int(step) if step is not None else named if named in dirs
+           else max(dirs, default=None))
     if top is None:
       raise UnreadableCheckpointError(
           f"zero1 checkpoint: no checkpoint in {self.directory}")

@@ -45,6 +45,23 @@ def read_latest(directory) -> int | None:
   return int(text) if text.isdigit() else None
 
 
+def latest_step(directory) -> int | None:
+  """The step a resume continues from: the last one saved (the ``latest``
+  file, as DeepSpeed), when it committed; else the highest committed step;
+  None when there is none. A run resumed from an earlier step and saved
+  again leaves higher steps of the run before it: they are not "latest".
+
+  Example::
+
+    latest_step("out/checkpoints")   # 15 after saves 5, 10, 15, 20, then 10 -> 15
+  """
+  committed = committed_steps(directory)
+  named = read_latest(directory)
+  if named is not None and named in committed:
+    return named
+  return committed[-1] if committed else None
+
+
 def committed_steps(directory) -> list[int]:
   """The committed steps in ``directory``, oldest first, read from the
   directory alone: no orbax manager, so no collective. A process can call it

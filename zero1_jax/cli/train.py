@@ -145,6 +145,13 @@ def _resume(engine, args, ckpt_dir) -> None:
         flush=True)
   _report_batch_change(engine, args.output_dir)
   _report_unfinished_saves(ckpt_dir)
+  later = [s for s in checkpoint.committed_steps(ckpt_dir)
+           if s > engine.global_steps]
+  if later:
+    print(f"[zero1-train] step {', '.join(map(str, later))} in {ckpt_dir}: "
+          f"from the run before this resume, not continued (once this run "
+          f"saves, --resume latest and zero1-export take its last save; a "
+          f"save at the same step replaces one)", flush=True)
 
 
 def _report_batch_change(engine, output_dir: str) -> None:
@@ -233,7 +240,11 @@ def run(args: argparse.Namespace) -> dict | None:
   saved = checkpoint.committed_steps(ckpt_dir) if os.path.isdir(ckpt_dir) else []
   shown = (", ".join(map(str, saved)) if len(saved) <= 6 else
            f"{saved[0]}, {saved[1]}, ..., {saved[-1]}: {len(saved)}")
-  where = (f"; checkpoints (steps {shown}) in {ckpt_dir}"
+  from zero1_jax.checkpoint import steps as ckpt_steps
+  last = ckpt_steps.latest_step(ckpt_dir) if saved else None
+  stale = (f"; the last saved is {last}, the higher ones are from before "
+           f"the resume" if saved and last != saved[-1] else "")
+  where = (f"; checkpoints (steps {shown}{stale}) in {ckpt_dir}"
            if saved else "; no checkpoints (--save_steps)")
   if engine.global_steps == start:   # resumed at --max_steps already
     print(f"[zero1-train] nothing to train: the run is at step {start} "
@@ -255,12 +266,12 @@ def _where(ckpt_dir: str) -> str:
   """The committed step a --resume latest continues from, read from the
   directory alone: an orbax manager's constructor syncs every process, and
   another may be stuck in a step this one never joins."""
-  from zero1_jax import checkpoint
-  steps = checkpoint.committed_steps(ckpt_dir)
-  if not steps:
+  from zero1_jax.checkpoint import steps
+  last = steps.latest_step(ckpt_dir)
+  if last is None:
     return ("no checkpoint was saved yet (--save_steps): --resume latest "
             "starts again from step 0")
-  return (f"the last checkpoint is step {steps[-1]} in {ckpt_dir}: "
+  return (f"the last checkpoint is step {last} in {ckpt_dir}: "
           f"--resume latest continues from it")
 
 

@@ -243,11 +243,9 @@ class Engine:
     extra = {"global_steps": self.global_steps,
              "skipped_steps": self.skipped_steps,
              **(client_state if client_state is not None else extra or {})}
-    ckpt = self._checkpointer(save_dir, max_to_keep, saving=True)
-    ckpt.save(step, self.params, self.opt_state, extra=extra,
-              config=self.config.to_dict(), force=True)
-    if jax.process_index() == 0:
-      checkpoint.steps.write_latest(ckpt.directory, step)
+    self._checkpointer(save_dir, max_to_keep, saving=True).save(
+        step, self.params, self.opt_state, extra=extra,
+        config=self.config.to_dict(), force=True)
     return step
 
   def load_checkpoint(self, load_dir, tag: int | None = None, *,
@@ -274,7 +272,7 @@ class Engine:
           f"zero1 checkpoint: {os.path.abspath(load_dir)} does not exist")
     ckpt = self._checkpointer(load_dir)
     if tag is None:
-      tag = resume.latest_saved(ckpt)
+      resume.warn_uncommitted_latest(ckpt)
     try:
       self.params, self.opt_state, extra = ckpt.restore(
           tag, self.tx, self.params, self.mesh,

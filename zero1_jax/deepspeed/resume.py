@@ -2,13 +2,15 @@
 load, and why a checkpoint does not fit.
 
 DeepSpeed's ``load_checkpoint(dir)`` loads the tag its ``latest`` file names
-(the last save), not the highest step; :func:`latest_saved` does the same. A
+(the last save), not the highest step; ``Checkpointer`` keeps that file and
+loads it, and :func:`warn_uncommitted_latest` says when it names a save that
+never committed. A
 scheduler or optimizer type added or removed between save and resume changes
 the optimizer state's tree; :func:`config_change` names that change.
 
 Example::
 
-  step = latest_saved(ckpt)     # 3 after saves at 2, 4, then 3; None: highest
+  warn_uncommitted_latest(ckpt)   # before load_checkpoint(dir) with no tag
 """
 
 from __future__ import annotations
@@ -21,19 +23,17 @@ from zero1_jax import checkpoint
 logger = logging.getLogger("zero1_jax")
 
 
-def latest_saved(ckpt: checkpoint.Checkpointer) -> int | None:
-  """The committed step the directory's ``latest`` file names; None (load
-  the highest committed step) when there is no such file, or, with a
-  warning, when that save never committed."""
+def warn_uncommitted_latest(ckpt: checkpoint.Checkpointer) -> None:
+  """Says so when the directory's ``latest`` file names a save that never
+  committed (interrupted): the load then takes the highest committed step
+  (``Checkpointer.latest_step``)."""
   ckpt.wait()
   step = checkpoint.steps.read_latest(ckpt.directory)
-  if step is None or step in ckpt.all_steps():
-    return step
-  logger.warning("zero1 checkpoint: %s names step %d, whose save never "
-                 "committed (interrupted?); loading the highest committed "
-                 "step instead", ckpt.directory / checkpoint.steps.LATEST,
-                 step)
-  return None
+  if step is not None and step not in ckpt.all_steps():
+    logger.warning("zero1 checkpoint: %s names step %d, whose save never "
+                   "committed (interrupted?); loading the highest committed "
+                   "step instead", ckpt.directory / checkpoint.steps.LATEST,
+                   step)
 
 
 def config_change(ckpt: checkpoint.Checkpointer, step: int | None,
