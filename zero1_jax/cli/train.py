@@ -254,12 +254,17 @@ def run(args: argparse.Namespace) -> dict | None:
   done = (f"{engine.global_steps} step{'s' * (engine.global_steps != 1)} "
           f"({engine.skipped_steps} skipped)"
           if not start else
-          f"steps {start + 1}-{engine.global_steps} after resuming at {start} "
+          f"{_span(start + 1, engine.global_steps)} after resuming at {start} "
           f"({engine.global_steps} in all, {engine.skipped_steps} skipped)")
   print(f"[zero1-train] {done} in {wall:.1f}s of training (compiling before "
         f"it not counted); {common.loss_text(summary)}; outputs in "
         f"{args.output_dir}{where}", flush=True)
   return summary
+
+
+def _span(first: int, last: int) -> str:
+  """'step 3' or 'steps 3-7'."""
+  return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def _where(ckpt_dir: str) -> str:
