@@ -195,3 +195,20 @@ def test_resume_with_another_global_batch_says_so(tmp_path, capsys):
   assert last.startswith("[zero1-train] nothing to train: the run is at step 4 "
                          "(--max_steps 4; a larger one continues it)"), last
   assert steps(out) == [1, 2, 3, 4]
+
+
+def test_a_used_output_dir_without_checkpoints_does_not_suggest_resume(tmp_path):
+  """A finished run without --save_steps cannot be continued: the refusal
+  offered --resume latest, which then failed ("nothing to continue from")."""
+  from zero1_jax.cli import common, rundir
+  d = tmp_path / "out"
+  d.mkdir()
+  (d / "metrics.jsonl").write_text("{}\n")
+  with pytest.raises(common.UsageError) as e:
+    rundir.check(str(d), overwrite=False, resume=None)
+  assert "--resume" not in str(e.value)
+  assert "saved no checkpoint (no --save_steps)" in str(e.value)
+  assert "--overwrite_output_dir" in str(e.value)
+  (d / "checkpoints" / "3").mkdir(parents=True)
+  with pytest.raises(common.UsageError, match="Pass --resume latest to continue it"):
+    rundir.check(str(d), overwrite=False, resume=None)

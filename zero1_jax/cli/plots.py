@@ -13,12 +13,14 @@ _MB = 1024 ** 2
 def loss_curve(history: list[dict], path: str) -> None:
   steps = [h["step"] for h in history if not h["skipped"]]
   loss = [h["loss"] for h in history if not h["skipped"]]
-  skipped = [h["step"] for h in history if h["skipped"]]
+  skipped = [h for h in history if h["skipped"]]
   fig, ax = plt.subplots(figsize=(6, 3.5))
   ax.plot(steps, loss, lw=1.2, label="loss")
-  if skipped:
-    ax.scatter(skipped, [max(loss or [0])] * len(skipped), marker="x",
-               color="tab:red", label="skipped (fp16 overflow)")
+  if skipped:   # at their own loss (computed before the skip); else the top
+    top = max(loss or [0])
+    ax.scatter([h["step"] for h in skipped],
+               [top if h["loss"] is None else h["loss"] for h in skipped],
+               marker="x", color="tab:red", label="skipped (fp16 overflow)")
   ax.set_xlabel("optimizer step")
   ax.set_ylabel("MLM loss")
   ax.set_title("zero1-train loss")

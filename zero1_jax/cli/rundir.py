@@ -36,10 +36,16 @@ def check(output_dir: str, *, overwrite: bool, resume: str | None) -> str:
   entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
   if entries and not (overwrite or resume):
     shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+    ckpts = os.path.join(path, "checkpoints")
+    saved = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
+    fix = ("Pass --resume latest to continue it, --overwrite_output_dir to "
+           "replace it, or another --output_dir" if saved else
+           "It saved no checkpoint (no --save_steps), so it cannot be "
+           "continued: pass --overwrite_output_dir to replace it, or another "
+           "--output_dir")
     raise UsageError(
         f"--output_dir {output_dir} is not empty ({shown}): it holds an earlier "
-        f"run. Pass --resume latest to continue it, --overwrite_output_dir to "
-        f"replace it, or another --output_dir")
+        f"run. {fix}")
   return path
 
 
