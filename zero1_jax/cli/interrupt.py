@@ -84,9 +84,11 @@ def abandon(prog: str = "zero1-train",
 
 
 @contextlib.contextmanager
-def held(prog: str = "zero1-train") -> Iterator[None]:
-  """Holds a Ctrl-C until the block ends, then raises KeyboardInterrupt; a
-  second one exits at once with 130 and one line."""
+def _holding(second: Callable[[], None], first_note: str | None
+             ) -> Iterator[None]:
+  """Holds a first Ctrl-C until the block ends (printing ``first_note``),
+  then raises KeyboardInterrupt; a second one calls ``second()``. Outside
+  the main thread, or where SIGINT is ignored, nothing changes."""
   old = _main_thread_handler()
   if old is None:
     yield
@@ -96,9 +98,10 @@ def held(prog: str = "zero1-train") -> Iterator[None]:
   def hold(signum, frame):
     del frame
     if got:
-      print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-      os._exit(ABANDONED)
+      second()
     got.append(signum)
+    if first_note:
+      print(first_note, file=sys.stderr, flush=True)
 
   signal.signal(signal.SIGINT, hold)
   try:
@@ -106,36 +109,28 @@ def held(prog: str = "zero1-train") -> Iterator[None]:
   finally:
     signal.signal(signal.SIGINT, old)
   if got:
+    if callable(old):   # as if it came now: remembered()'s record, or the default
+      old(signal.SIGINT, None)
     raise KeyboardInterrupt
 
 
-@contextlib.contextmanager
+def held(prog: str = "zero1-train") -> contextlib.AbstractContextManager:
+  """Holds a Ctrl-C until the block ends, then raises KeyboardInterrupt; a
+  second one exits at once with 130 and one line."""
+  def leave():
+    print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    os._exit(ABANDONED)
+  return _holding(leave, None)
+
+
 def deferred_sigint(prog: str = "zero1-train",
                     resume_hint: Callable[[], str] | None = None
-                    ) -> Iterator[None]:
+                    ) -> contextlib.AbstractContextManager:
   """Holds a first Ctrl-C until the block ends, then raises it; a second
   one calls :func:`abandon`."""
-  old = _main_thread_handler()
-  if old is None:
-    yield
-    return
-  got = []
-
-  def hold(signum, frame):
-    del frame
-    if got:
-      abandon(prog, resume_hint)
-    got.append(signum)
-    print(f"[{prog}] Ctrl-C: stopping once the checkpoint save returns "
-          f"(Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
-
-  signal.signal(signal.SIGINT, hold)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, old)
-  if got and callable(old):
-    old(signal.SIGINT, None)      # default_int_handler: KeyboardInterrupt
+  return _holding(lambda: abandon(prog, resume_hint),
+                  f"[{prog}] Ctrl-C: stopping once the checkpoint save "
+                  f"returns (Ctrl-C again to abandon it)")
 
 
 @contextlib.contextmanager
