@@ -50,7 +50,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))
+  return sorted(set(__all__) | set(_SUBPACKAGES) | {"__version__"})
 
 
 if TYPE_CHECKING:   # what the names are, for type checkers and IDEs
