@@ -145,3 +145,20 @@ def test_installed_package_from_another_directory(tmp_path):
   r = subprocess.run([str(script), "--help"], cwd=tmp_path, env=env,
                      capture_output=True, text=True, timeout=120)
   assert r.returncode == 0 and "--deepspeed" in r.stdout, r.stderr
+
+
+def test_importing_the_package_or_the_cli_loads_no_jax():
+  """zero1-train must load jax itself, with Ctrl-C held (a Ctrl-C inside
+  jaxlib's initialisation crashed the interpreter): so neither the package
+  nor the CLI module imports jax, and every public name still resolves."""
+  import subprocess
+  import sys
+  code = ("import sys, zero1_jax, zero1_jax.cli.train, zero1_jax.cli.export\n"
+          "assert not [m for m in sys.modules if m.split('.')[0] in "
+          "('jax', 'jaxlib', 'flax', 'optax', 'orbax')], 'loaded'\n"
+          "[getattr(zero1_jax, n) for n in zero1_jax.__all__]\n"
+          "print(zero1_jax.zero1.__name__, zero1_jax.specs.__name__)")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                     text=True, timeout=120, cwd=PKG.parent)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == ["zero1", "zero1_jax.core.specs"]
