@@ -267,3 +267,47 @@ def test_ctrl_c_to_one_process_ends_the_job_while_another_is_in_a_step(tmp_path)
   assert len(lines) == 1, err[-3000:]
   last = checkpoint.committed_steps(ckpt)[-1]
   assert f"the last checkpoint is step {last} in {ckpt}" in lines[0]
+
+
+ENGINE_SCRIPT = """
+import sys
+import numpy as np, jax.numpy as jnp, zero1_jax as z1
+pid, port, same = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "same"
+cfg = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+e = z1.initialize(cfg, loss_fn=loss, params={"w": np.zeros((3, 2), np.float32)},
+                  coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                  process_id=pid, initialization_timeout=60)
+r = np.random.default_rng(0 if same else pid)
+batch = {"x": r.normal(size=(8, 3)).astype(np.float32),
+         "y": r.normal(size=(8, 2)).astype(np.float32)}
+e.train_batch(batch)
+print("trained", float(np.asarray(e.params["w"]).sum()))
+"""
+
+
+def test_engine_refuses_different_batches_on_different_processes(tmp_path):
+  """engine.train_batch takes the same global batch on every process and
+  keeps each one's rows: two processes loading different batches trained,
+  silently, on a mix of them (exit 0, the same losses on both). Now the
+  first step compares a checksum across processes. The Python API with
+  z1.initialize(coordinator_address=...), 2 processes x 1 device."""
+  import socket
+  script = tmp_path / "eng.py"
+  script.write_text(ENGINE_SCRIPT)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  for mode, ok in (("same", True), ("different", False)):
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, str(script), str(pid), port, mode],
+                              env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+      if ok:
+        assert p.returncode == 0 and "trained" in out, err[-2000:]
+      else:
+        assert p.returncode != 0 and "trained" not in out
+        assert "the processes passed different batches" in err, err[-2000:]

@@ -43,6 +43,9 @@ def initialize(coordinator_address: str | None = None,
       by itself when :func:`cluster_environment` sees a multi-task job.
     heartbeat_timeout_seconds: a process that stops answering for this long
       makes the others fail instead of hanging.
+    initialization_timeout: how long to wait for every process to join
+      (a process never started, or a ``process_id`` given twice, fails
+      only then).
 
   Returns:
     True if a multi-process runtime was started, False for a single process
@@ -59,17 +62,23 @@ def initialize(coordinator_address: str | None = None,
       return False
   if not auto and any(v is None for v in given):
     raise ValueError(
-        "multi-process training needs --coordinator_address, --num_processes "
-        "and --process_id together (or auto-detection from the cluster "
-        f"environment); got {given}.")
+        "multi-process training needs coordinator_address, num_processes and "
+        "process_id together (zero1-train: --coordinator_address, "
+        "--num_processes, --process_id), or auto-detection from the cluster "
+        f"environment; got {given}.")
   if not auto and not 0 <= process_id < num_processes:
-    raise ValueError(f"--process_id {process_id} must be in [0, "
-                     f"{num_processes}).")
+    raise ValueError(f"process_id {process_id} must be in [0, "
+                     f"{num_processes}) (num_processes={num_processes}).")
   kwargs = dict(heartbeat_timeout_seconds=heartbeat_timeout_seconds,
                 initialization_timeout=initialization_timeout)
   if not auto:
     kwargs.update(coordinator_address=coordinator_address,
                   num_processes=num_processes, process_id=process_id)
+  if not auto:   # the wait below is silent: a missing or doubled process
+    log.info("process %d of %d: joining the job at %s (waits up to %d s for "
+             "all %d; a process_id given twice or one never started fails "
+             "only then)", process_id, num_processes, coordinator_address,
+             initialization_timeout, num_processes)
   try:
     jax.distributed.initialize(**kwargs)
   except ValueError as e:
@@ -172,3 +181,30 @@ def global_batch(batch: Any, mesh: jax.sharding.Mesh, axis: str = "data", *,
         sharding, local, (total,) + x.shape[1:])
 
   return jax.tree.map(one, batch)
+
+
+def check_same_batch(batch: Any, where: str) -> None:
+  """Raises ValueError unless every process passed an equal ``batch`` (a
+  checksum of each host leaf, compared across processes: one tiny
+  collective). The engine's ``train_batch`` takes the same global batch on
+  every process and keeps each one's rows; different batches would train
+  silently on a mix of them. Leaves that are already global ``jax.Array``s
+  are not checked."""
+  import zlib
+  from jax.experimental import multihost_utils
+  leaves = [x for x in jax.tree.leaves(batch)
+            if not isinstance(x, jax.Array) or x.is_fully_addressable]
+  # int32 values: without jax_enable_x64 an int64 would be cut to 32 bits on
+  # one side of the comparison only
+  sums = np.array([zlib.crc32(np.ascontiguousarray(x).tobytes()) & 0x7FFFFFFF
+                   for x in leaves], np.int32)
+  try:
+    multihost_utils.assert_equal(sums, f"{where}: not the same batch")
+  except AssertionError:
+    raise ValueError(
+        f"{where}: the processes passed different batches (process "
+        f"{jax.process_index()} of {jax.process_count()}). Every process "
+        f"passes the same global batch and keeps its own rows; to feed only "
+        f"local rows, build the global array with "
+        f"z1.distributed.global_batch(rows, mesh, process_local=True)") from None
+

@@ -139,6 +139,7 @@ class Engine:
     # default, runtime/constants.py:46): no line
     self.steps_per_print: int | None = config.steps_per_print
     self._ckpts: dict = {}
+    self._batch_checked = False   # multi-process: the same batch everywhere
     self._step = zstep.train_step(
         loss_fn, self.tx, mesh,
         grad_accum_steps=config.gradient_accumulation_steps, has_aux=has_aux)
@@ -176,6 +177,9 @@ class Engine:
           f"{self.config.gradient_accumulation_steps} x devices "
           f"{self.config.world_size}).")
     if jax.process_count() > 1:   # each process keeps only its own rows
+      if not self._batch_checked:
+        distributed.check_same_batch(batch, "train_batch")
+        self._batch_checked = True
       batch = distributed.global_batch(batch, self.mesh, self.axis_name)
     f = self.config.fp16
     dynamic = f.enabled and f.dynamic_loss_scale
@@ -339,6 +343,8 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig
                mesh: jax.sharding.Mesh | None = None, *, axis_name: str = "data",
                has_aux: bool = False, coordinator_address: str | None = None,
                num_processes: int | None = None, process_id: int | None = None,
+               heartbeat_timeout_seconds: int = 100,
+               initialization_timeout: int = 300,
                **deepspeed_kwargs: Any) -> Engine:
   """DeepSpeed's ``deepspeed.initialize`` for a JAX loss function.
 
@@ -351,7 +357,8 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig
     mesh: default: all devices (of all processes) on one ``axis_name`` axis.
     coordinator_address, num_processes, process_id: join a multi-process
       runtime first (:func:`zero1_jax.distributed.initialize`); must come
-      before anything touches the devices.
+      before anything touches the devices. ``heartbeat_timeout_seconds`` and
+      ``initialization_timeout`` are passed on to it.
 
   Raises:
     TypeError: DeepSpeed's torch keywords (``model=``, ``model_parameters=``,
@@ -370,7 +377,9 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig
                     f"initialize(config=..., loss_fn=(params, batch) -> loss, "
                     f"params=..., mesh=...)")
   ds_log.show_info()
-  distributed.initialize(coordinator_address, num_processes, process_id)
+  distributed.initialize(coordinator_address, num_processes, process_id,
+                         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                         initialization_timeout=initialization_timeout)
   if mesh is None:
     mesh = jax.make_mesh((jax.device_count(),), (axis_name,))
   if axis_name not in mesh.axis_names:
