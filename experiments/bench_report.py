@@ -70,8 +70,12 @@ def targets(res: dict) -> list[dict]:
                         value=by[k]["peak"] / by["gspmd"]["peak"],
                         detail=f"{by[k]['peak']} B vs {by['gspmd']['peak']} B",
                         met=by[k]["peak"] <= by["gspmd"]["peak"]))
-  return (out + overhead_targets(res.get("overhead", []))
+  out += (overhead_targets(res.get("overhead", []))
           + stage2_targets(res.get("stage2", [])))
+  for t in out:   # a number that could not be measured is a miss, not a crash
+    if t["value"] is None:
+      t.update(value=float("nan"), met=False)
+  return out
 
 
 # ------------------------------------------------------------------ output
@@ -206,7 +210,8 @@ def tables(res: dict) -> str:
   if tg:
     lines += ["### Targets", "", "| target | value | met | detail |", "|---|---|---|---|"]
     for t in tg:
-      lines.append(f"| {t['target']} | {t['value']:.4f} | {'met' if t['met'] else 'MISSED'} "
+      value = "-" if t["value"] is None else f"{t['value']:.4f}"
+      lines.append(f"| {t['target']} | {value} | {'met' if t['met'] else 'MISSED'} "
                    f"| {t['detail']} |")
     lines.append("")
   return "\n".join(lines)

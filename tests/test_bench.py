@@ -270,3 +270,14 @@ def test_overhead_log_survives_ddp_at_the_floor():
   from experiments import bench_overhead
   assert bench_overhead._ratio_text(None) == "n/a (DDP not above the floor)"
   assert bench_overhead._ratio_text(0.5) == "0.500"
+
+
+def test_a_target_that_could_not_be_measured_is_missed_not_a_crash():
+  """On loaded CI cores the tiny bench once produced a target without a
+  value, and writing tables.md crashed (TypeError formatting None): every
+  test of this file errored. It reads '-' and MISSED."""
+  from experiments import bench_report
+  res = {"plan": {"ns": [2], "dtypes": ["fp32"]},
+         "targets": [{"target": "x <= 1", "value": None, "met": False,
+                      "detail": "not measured"}]}
+  assert "| x <= 1 | - | MISSED | not measured |" in bench_report.tables(res)
