@@ -42,7 +42,8 @@ import pytest
 
 import zero1_jax as z1
 from zero1_jax.core import elementwise as ew
-from helpers import batch, float_part, loss_fn, mesh, odd_params
+from helpers import (assert_close, batch, float_part, loss_fn, mesh, odd_params,
+                     optax_run)
 
 N, STEPS, LR = 4, 5, 1e-2
 GROUP = 8    # optimizers sharing one zero1 run (see group_outcomes)
@@ -429,3 +430,66 @@ def test_multisteps_inside_zero1_matches(outcomes):
   fix by z1.init (tests/test_step.py)."""
   kind, detail = outcomes["MultiSteps(adam, 2)"]
   assert kind == "matched" and detail <= 1.0, (kind, detail)
+
+
+# Decisions by size or shape. Each shard's computation is elementwise, so the
+# jaxpr (read on the shards) and the probe (small stand-in leaves) accept
+# them; under zero1 they would silently run another optimizer: measured
+# before the check, factored_rms at N=8 was 76% off optax after one update,
+# and the size mask left a 512-element kernel undecayed (2.6% after 5 steps).
+BIG = {"w": jnp.ones((256, 256)), "k": jnp.ones((64, 8)), "b": jnp.ones(3)}
+size_mask = lambda p: jax.tree.map(lambda x: x.size >= 256, p)
+
+
+@pytest.mark.parametrize("make_tx,why", [
+    (lambda: optax.scale_by_factored_rms(),
+     "state leaf .v_row['w'] has shape (256,) for the whole parameter ['w'] "
+     "(256, 256) but (1,) for its 1/N shard"),
+    (lambda: optax.adamw(LR, weight_decay=0.1, mask=size_mask),
+     "its update runs other operations on the whole parameters than on a shard"),
+    (lambda: optax.multi_transform(
+        {"big": ADAM(), "small": optax.sgd(LR)},
+        lambda p: jax.tree.map(lambda x: "big" if x.size >= 256 else "small", p)),
+     "its state has another structure for the whole parameters than for a shard"),
+], ids=["factored_rms", "mask_by_size", "labels_by_size"])
+def test_decisions_by_leaf_size_are_refused(make_tx, why):
+  # w: factored whole, not as a (32, 256) or (64, 256) shard; k: 512
+  # elements whole, 64 or 128 per shard. (At N=2 factored_rms's (128, 256)
+  # shard is factored too; its state is then refused as not shard-shaped.)
+  for n in (8, 4):
+    with pytest.raises(ValueError) as e:
+      z1.init(z1.zero1(make_tx(), axis_name="data"), BIG, mesh(n))
+    assert why in str(e.value), str(e.value)
+    assert "decide by ndim or by path" in str(e.value), str(e.value)
+  # The plain-jit path (tx.init under a mesh, as TrainState.create) as well.
+  with jax.set_mesh(mesh(8)), pytest.raises(ValueError, match=re.escape(why)):
+    z1.zero1(make_tx(), axis_name="data").init(BIG)
+  # The same decisions by ndim are elementwise: accepted.
+  z1.init(z1.zero1(optax.adamw(LR, weight_decay=0.1, mask=ndim_mask),
+                   axis_name="data"), BIG, mesh(8))
+
+
+def test_multisteps_with_max_grad_norm_clips_each_micro_batch_and_says_so(batches):
+  """zero1 clips the gradient it is handed; a MultiSteps inside then
+  accumulates clipped micro-batch gradients: optax's chain(clip,
+  MultiSteps(adam)), not MultiSteps(chain(clip, adam)) nor DeepSpeed's clip
+  of the accumulated gradient. It trains as the former, and warns naming the
+  difference and grad_accum_steps. Tolerance as tests/test_equivalence.py."""
+  c, multi = 0.05, lambda: optax.MultiSteps(ADAM(), 2)
+  with pytest.warns(UserWarning, match=r"clips each micro-batch's gradient "
+                    r"before MultiSteps.*z1.train_step\(\.\.\., grad_accum_steps=k\)"):
+    tx = z1.zero1(multi(), axis_name="data", max_grad_norm=c)
+  p = zero1_train(z1.init(tx, odd_params(), mesh(N)), tx, loss_fn, batches)
+  clip_each = optax_run(optax.chain(optax.clip_by_global_norm(c),
+                                    multi().gradient_transformation()),
+                        odd_params(), batches)
+  assert_close(float_part(p), clip_each, 1e-6, "vs chain(clip, MultiSteps) ")
+  clip_sum = optax_run(optax.MultiSteps(optax.chain(
+      optax.clip_by_global_norm(c), ADAM()), 2).gradient_transformation(),
+                       odd_params(), batches)
+  with pytest.raises(AssertionError):   # the two orders differ here
+    assert_close(float_part(p), clip_sum, 1e-3, "")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")      # neither alone warns
+    z1.zero1(multi(), axis_name="data")
+    z1.zero1(ADAM(), axis_name="data", max_grad_norm=c)

@@ -3,13 +3,14 @@
 scaling (:mod:`.precision`), the state (:mod:`.state`), the optax
 transform (:mod:`.transform`) and its plain-jit entry (:mod:`.jit_mode`),
 whether an inner optimizer may be sharded (:mod:`.elementwise`, with the
-taint analysis of its jaxpr in :mod:`.jaxpr_check`), the
+taint analysis of its jaxpr in :mod:`.jaxpr_check` and the same program on
+whole leaves and shards in :mod:`.size_check`), the
 shardings of its state (:mod:`.specs`), params sharded over other mesh axes
 on 2-D meshes (:mod:`.param_axes`), the checks of what an update is handed
 (:mod:`.checks`), the shard_map step (:mod:`.step`) and the inner
 optax state gathered back to parameter shapes (:mod:`.inner_state`).
 Imports point down that list: step -> transform -> jit_mode -> specs ->
-{elementwise -> {jaxpr_check, layout}, state}, transform -> {checks,
+{elementwise -> {jaxpr_check, size_check, layout}, state}, transform -> {checks,
 collectives} -> layout, and step, transform, jit_mode, specs -> param_axes ->
 layout.
 """

@@ -19,6 +19,10 @@ and both must pass (:func:`check_elementwise`):
    the updates and on *every* state leaf, scalars and PRNG keys included. It
    catches what a jaxpr hides, e.g. a scale computed from ``x.size``.
 
+Between them, :func:`.size_check.size_reason` refuses an optimizer that
+decides by a leaf's size or shape (factored moments, a mask by size): on a
+shard it would run another, still elementwise, computation.
+
 :func:`state_shard_dims` tells which state leaves are sharded (and refuses
 state not shaped like the parameter shards: adafactor's factored moments).
 
@@ -44,6 +48,7 @@ import optax
 
 from zero1_jax.core import jaxpr_check as jc
 from zero1_jax.core import layout as lay
+from zero1_jax.core.size_check import size_reason
 
 REFUSAL = (
     "zero1: the inner optimizer is not elementwise ({why}); ZeRO-1 runs it on "
@@ -344,6 +349,10 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
   """
   inner = getattr(inner, "inner", inner)   # a Zero1Transformation: its inner
   layout = lay.plan(params, max(int(num_shards), 2))
-  why = jaxpr_reason(inner, layout, dtype) or probe_reason(inner, layout, dtype)
+  why = jaxpr_reason(inner, layout, dtype)
+  if not why:
+    owners = state_shard_dims(inner, layout, dtype)[3]
+    why = (size_reason(inner, layout, dtype, owners)
+           or probe_reason(inner, layout, dtype))
   if why:
     raise Refused(why)

@@ -27,6 +27,7 @@ One ``update`` (inside ``shard_map`` over ``axis_name``):
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -100,6 +101,17 @@ class Zero1Config:
                        f"{self.clip_rule!r}")
     if not jnp.issubdtype(self.master_dtype, jnp.floating):
       raise ValueError(f"master_dtype must be floating, got {self.master_dtype}")
+
+
+# zero1 clips the gradient it is handed, before the inner optimizer: with a
+# MultiSteps inside, that is each micro-batch's gradient.
+MULTISTEPS_CLIP = (
+    "zero1(optax.MultiSteps(...), max_grad_norm=c) clips each micro-batch's "
+    "gradient before MultiSteps accumulates it, as optax.chain("
+    "clip_by_global_norm(c), MultiSteps(...)) does; DeepSpeed and optax."
+    "MultiSteps(optax.chain(clip_by_global_norm(c), ...)) clip the "
+    "accumulated gradient. For that, pass the optimizer itself and accumulate "
+    "with z1.train_step(..., grad_accum_steps=k).")
 
 
 class Zero1Transformation(optax.GradientTransformation):
@@ -205,6 +217,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                     master_dtype, max_grad_norm, loss_scale, reduce_dtype,
                     check_elementwise, clip_rule, inplace_bytes,
                     param_specs=param_specs)
+  if max_grad_norm is not None and isinstance(inner, optax.MultiSteps):
+    warnings.warn(MULTISTEPS_CLIP, UserWarning, stacklevel=2)
   axis = axis_name
 
   def axes_of(params, param_axes):
