@@ -284,3 +284,27 @@ ENTRY %main (x: f32[8]) -> f32[8] {
   assert ag.independent == ()   # the loop feeds it
   assert (ar.computation, ar.kind, ar.bytes) == ("body", "all-reduce", 32)
   assert ar.independent == ("m", "j") and ar.total_compute == 2
+
+
+def test_every_operand_counts_past_xlas_index_comments():
+  """XLA prints ``/*index=5*/`` before every 5th operand; such an operand was
+  dropped from the graph, so a collective's own 6th input (here a dot, the
+  packed bucket's last piece) was reported as compute it could hide behind."""
+  def f(x, w):
+    parts = [x[i] * 2.0 for i in range(5)] + [x[5] @ w]
+    return jax.lax.psum(parts, AXIS)
+
+  g = jax.jit(jax.shard_map(f, mesh=mesh(4), in_specs=(P(), P()), out_specs=P()))
+  args = jnp.ones((6, 64, 64)), jnp.ones((64, 64))
+  assert "/*index=5*/" in g.lower(*args).compile().as_text()
+  for r in z1.inspect.overlap(g, *args):
+    assert r.independent_flops == 0, r     # the dot feeds every collective
+  m = hlo_graph.parse("""HloModule m
+
+ENTRY %e (p: f32[6]) -> f32[6] {
+  %p = f32[6]{0} parameter(0)
+  %a = f32[1]{0} slice(%p), slice={[0:1]}
+  ROOT %c = f32[6]{0} concatenate(%a, %a, %a, %a, %a, /*index=5*/%a), dimensions={0}
+}
+""")
+  assert m.computations["e"][-1].operands == ("a",) * 6

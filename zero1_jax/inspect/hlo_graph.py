@@ -87,8 +87,13 @@ def _split_top(text: str) -> list[str]:
   return [p.strip() for p in parts if p.strip()]
 
 
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
 def _names(text: str) -> list[str]:
-  return [p.split()[-1].lstrip("%") for p in _split_top(text)]
+  # XLA marks every 5th operand with a comment, glued to its name:
+  # ``concatenate(%a, %b, %c, %d, %e, /*index=5*/%f)``.
+  return [p.split()[-1].lstrip("%") for p in _split_top(_COMMENT.sub(" ", text))]
 
 
 def _instruction(name: str, rest: str) -> Instruction | None:
