@@ -270,7 +270,8 @@ def test_bad_sharding_is_refused_with_the_fix():
   t = z1.zero1(optax.adam(1e-2), axis_name="data")
   with pytest.raises(ValueError, match="replicated over 'data'"):
     z1.init(t, place(msh, {"w": jnp.ones((4, 2))}, {"w": P("data")}), msh)
-  with pytest.raises(ValueError, match="not divisible"):
+  with pytest.raises(ValueError, match=r"not divisible .*: pad that dim to a "
+                     r"multiple of 2, or shard another dim or none \(P\(\)"):
     z1.init(z1.zero1(optax.adam(1e-2), axis_name="data",
                      param_specs={"w": P("model")}), {"w": jnp.ones(5)}, msh)
   with pytest.raises(ValueError, match="lacks"):
@@ -282,6 +283,8 @@ def test_bad_sharding_is_refused_with_the_fix():
   step = z1.train_step(lambda p, b: jnp.sum(p["w"] * b["x"].mean()), t2, msh)
   with pytest.raises(ValueError, match="ZeRO-2"):
     step(p, s, {"x": np.ones((8, 1), np.float32)})
+  with pytest.raises(ValueError, match="ZeRO-2"):   # at init, before any state
+    z1.init(t2, place(msh, {"w": jnp.ones((4, 2))}, {"w": P(None, "model")}), msh)
 
 
 def test_bf16_params_keep_a_master_split_like_the_moments():

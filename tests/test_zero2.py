@@ -308,3 +308,18 @@ def test_small_leaves_share_a_collective_large_ones_go_alone():
       ["['big']", "['s1']", "['s2']", "['s3']"], ["['g']", "['h']"]]
   assert groups(inplace_bytes=0) == [
       ["['big']"], ["['s1']"], ["['s2']"], ["['s3']"], ["['g']", "['h']"]]
+
+
+def test_plain_jit_init_says_stage2_trains_as_stage1():
+  """Stage 2 is a hook in z1.train_step's backward; in a TrainState /
+  nnx.Optimizer loop (tx.init under a mesh) zero2 reduces after jax.grad,
+  as zero1: same weights, and its init says so (it said nothing)."""
+  params = {"w": jnp.full((8, 3), 0.5), "b": jnp.zeros(3)}
+  with jax.set_mesh(mesh(4)):
+    with pytest.warns(UserWarning, match=r"z1.zero2 in plain jax.jit .* "
+                      r"trains as z1.zero1.*Stage 2 takes z1.train_step"):
+      z1.zero2(optax.adam(1e-2), axis_name="data").init(params)
+    import warnings
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      z1.zero1(optax.adam(1e-2), axis_name="data").init(params)

@@ -217,6 +217,15 @@ def _typed(axis: str, field: str) -> Callable[[Any], str | None]:
   return lambda x: field if _reduced_over(x, axis, field) else None
 
 
+# Stage 2's gradient sharding is a hook in z1.train_step's backward pass;
+# plain jax.jit code takes jax.grad's gradients as they come.
+STAGE2_AS_STAGE1 = (
+    "z1.zero2 in plain jax.jit or eager code (TrainState, nnx.Optimizer) "
+    "trains as z1.zero1: the gradients are reduced after jax.grad, not "
+    "sharded inside the backward pass. Stage 2 takes z1.train_step; use "
+    "z1.zero1 here to say so.")
+
+
 def init(tx: Any, init_in: Callable, params: Any) -> Any:
   """``tx.init(params)`` outside shard_map: ``init_in(params, param_axes)``
   (the per-device init) inside a shard_map over the found mesh; the state
@@ -229,6 +238,8 @@ def init(tx: Any, init_in: Callable, params: Any) -> Any:
   off = _off_mesh(mesh, {"params": params})
   if off:
     warnings.warn(_place_first(off, axis), stacklevel=3)
+  if tx.config.stage == 2:
+    warnings.warn(STAGE2_AS_STAGE1, UserWarning, stacklevel=3)
   pa = _param_axes(tx, params, where)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
                         params)

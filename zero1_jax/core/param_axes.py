@@ -210,7 +210,9 @@ def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,
       if shape[d] % m and not blocks:
         raise ValueError(
             f"zero1: parameter {path} has dim {d} of size {shape[d]}, not "
-            f"divisible by its mesh axes {axes} (size {m}).")
+            f"divisible by its mesh axes {axes} (size {m}): pad that dim to a "
+            f"multiple of {m}, or shard another dim or none (P() in its "
+            f"spec) of this parameter.")
     out.append(dims)
   if not any(a for dims in out for a in dims):
     return None

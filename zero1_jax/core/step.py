@@ -151,6 +151,8 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
   """
   n = _axis_size(tx, mesh, "z1.init")
   pa = param_axes(tx, params, mesh)
+  if pa is not None and tx.config.stage == 2:   # before anything is allocated
+    raise ValueError(_NO_STAGE2_2D)
   params = pax.unbox(params)
 
   def cast(t):
