@@ -427,3 +427,38 @@ def test_accumulation_keeps_one_micro_batch_of_activations():
     step = z1.train_step(mlp_loss, tx, m, grad_accum_steps=accum)
     temp[accum] = z1.inspect.memory(step, p, s, b)["temp"]
   assert temp[2] <= 1.25 * temp[1] and temp[4] <= 1.25 * temp[1], temp
+
+
+def test_no_zero_size_array_enters_a_shard_map():
+  """jaxlib 0.11.2 (the GPU machine's) segfaults compiling a shard_map that
+  takes a zero-size array beside other inputs (odd_params' "empty" leaf
+  crashed 146 tests there); zero1's shard_maps get None in its place and
+  rebuild it inside with its per-device shape."""
+  from zero1_jax.core import empty_leaves
+
+  msh = mesh(4)
+  seen = {}
+
+  def f(e, rows, cols, x):
+    seen.update(e=e.shape, rows=rows.shape, cols=cols.shape)
+    return e, rows, cols, x * 2
+
+  g = empty_leaves.shard_map(
+      f, mesh=msh, in_specs=(P(), P("data"), P(None, "data"), P()),
+      out_specs=(P(), P("data"), P(None, "data"), P()), check_vma=False)
+  # (specs of the arguments, placed as shard_map wants them)
+  specs = (P(), P("data"), P(None, "data"), P())
+  args = [jax.device_put(a, NamedSharding(msh, sp)) for a, sp in zip(
+      (jnp.zeros((0, 3)), jnp.zeros((0, 8)), jnp.zeros((0, 8)), jnp.ones(4)),
+      specs)]
+  jaxpr = jax.make_jaxpr(g)(*args)
+  (sm,) = [e for e in jaxpr.eqns if "shard_map" in str(e.primitive)]
+  assert all(np.prod(v.aval.shape) > 0 for v in sm.invars), sm.invars
+  out = g(*args)
+  assert seen == {"e": (0, 3), "rows": (0, 8), "cols": (0, 2)}
+  assert [o.shape for o in out] == [(0, 3), (0, 8), (0, 8), (4,)]
+  # z1.train_step on odd_params (an empty leaf, None in the inner state)
+  tx = z1.zero1(optax.sgd(0.1), axis_name="data")
+  p, s = z1.init(tx, odd_params(), msh)
+  p, s, _ = z1.train_step(loss_fn, tx, msh)(p, s, batch(8))
+  assert p["empty"].shape == (0, 3)

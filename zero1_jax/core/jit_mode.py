@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero1_jax.core import collectives as col
 from zero1_jax.core import elementwise as ew
+from zero1_jax.core import empty_leaves
 from zero1_jax.core import layout as lay
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
@@ -247,7 +248,7 @@ def init(tx: Any, init_in: Callable, params: Any) -> Any:
   if tx.config.check_elementwise:
     ew.check_elementwise(tx.inner, local, n, tx.config.master_dtype)
   specs = zspecs.state_specs(tx, shapes, n, pa)
-  f = jax.shard_map(lambda p: init_in(p, pa), mesh=mesh,
+  f = empty_leaves.shard_map(lambda p: init_in(p, pa), mesh=mesh,
                     in_specs=(_in_specs(params, pa, axis,
                                         _typed(axis, "reduced")),),
                     out_specs=specs, check_vma=False)
@@ -276,7 +277,7 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
   g_specs = _in_specs(grads, pa, axis, lambda _: g_field)
   p_specs = _in_specs(params, pa, axis, _typed(axis, "reduced"))
   s_specs = zspecs.state_specs(tx, params, n, pa)
-  f = jax.shard_map(lambda g, s, p: update_in(g, s, p, mode, pa), mesh=mesh,
+  f = empty_leaves.shard_map(lambda g, s, p: update_in(g, s, p, mode, pa), mesh=mesh,
                     in_specs=(g_specs, s_specs, p_specs),
                     out_specs=(p_specs, s_specs), check_vma=False)
   return jax.jit(f)(grads, state, params)

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zero1_jax.core import checks as chk
 from zero1_jax.core.batch import batch_size
 from zero1_jax.core import elementwise as ew
+from zero1_jax.core import empty_leaves
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
@@ -88,8 +89,9 @@ def _shard_map(f, mesh, in_specs, out_specs):
   # typing adds no safety; and on jax 0.12 its rule for lax.polynomial (inside
   # erf, hence exact GELU) rejects a varying input with constant coefficients,
   # which would make ordinary models fail to trace.
-  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)
+  # empty_leaves: no zero-size input array (jaxlib 0.11.2 crashes on one).
+  return empty_leaves.shard_map(f, mesh=mesh, in_specs=in_specs,
+                                out_specs=out_specs, check_vma=False)
 
 
 def _replicated(mesh, tree):
@@ -321,7 +323,7 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     # partitioner, as the model was written), each device's gradients leave
     # stacked over the data axis, and the update runs on blocks, manual over
     # every axis, so no collective over the other axes touches a block.
-    grads, metrics = jax.shard_map(
+    grads, metrics = empty_leaves.shard_map(
         lambda p, sc, b: (lambda g, m: (
             jax.tree.map(lambda x: x[None], g), m))(*local_grads(p, sc, b)),
         mesh=mesh, in_specs=(rep, P(), b_specs), out_specs=(
