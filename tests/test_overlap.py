@@ -151,6 +151,9 @@ def test_summary_reads(reports):
   text = z1.inspect.overlap_summary(reports["in_backward"])
   assert text.count("reduce-scatter") == 3
   assert "0 of 3 collectives have no independent compute" in text
+  # the columns are explained where they are printed
+  assert "bytes: the whole buffer reduced or gathered (all N pieces)" in text
+  assert "feeds it / waits: compute ops it depends on / that depend on it" in text
   assert z1.inspect.overlap_summary([]) == "no collectives"
 
 

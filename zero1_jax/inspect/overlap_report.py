@@ -197,6 +197,10 @@ def overlap_summary(reports: list[Overlap]) -> str:
     rows.append(f"{r.name[:w]:<{w}} {r.kind:<18} {_size(r.bytes, 'B'):>9}  {free:>34}"
                 f"  {r.feeding:>8} {r.waiting:>6} {r.total_compute:>4}")
   exposed = sum(1 for r in reports if not r.independent)
-  rows.append(f"{exposed} of {len(reports)} collectives have no independent compute "
-              "(sizes: output bytes; flops of dots only)")
+  rows.append(f"{exposed} of {len(reports)} collectives have no independent compute. "
+              "bytes: the whole buffer reduced or gathered (all N pieces); "
+              "independent compute: ops neither feeding the collective nor "
+              "waiting for it (their output bytes; flops of dots only); feeds "
+              "it / waits: compute ops it depends on / that depend on it, of "
+              "all compute ops")
   return "\n".join(rows)
