@@ -223,6 +223,47 @@ def test_fp16_sgd_matches_fp32_master_reference(model, kind, n, reduce):
     assert_close(float_part(p), ref, 5e-3, what)
 
 
+def mean_x_loss(params, b):
+  """Every parameter element's gradient is this device's mean of b["x"]."""
+  return sum(jnp.sum(v.astype(jnp.float32)) for v in jax.tree.leaves(params)
+             ) * jnp.mean(b["x"])
+
+
+@pytest.mark.parametrize("stage,reduce,inplace,accum", [
+    (1, "reduce_scatter", None, 1), (1, "reduce_scatter", 0, 1),
+    (2, "reduce_scatter", None, 1), (2, "reduce_scatter", 0, 2),
+    (1, "all_reduce", None, 1), (2, "all_reduce", 0, 1)])
+def test_fp16_sum_overflows_only_where_deepspeed_overflows(stage, reduce,
+                                                           inplace, accum):
+  """DeepSpeed's ZeRO-1/2 reduce-scatter path divides each fp16 bucket by N
+  before summing it (stage_1_and_2.py:1687-1688, 0.19.8), so a step skips
+  only if the *mean* overflows fp16; its ``reduce_scatter: false`` path sums
+  first (:1498-1506). Every device's gradient is 20000 (fp16's max is
+  65504): the sum over 4 devices, 80000, overflows; the mean does not.
+  Packed and in-place buckets, the fp16 scalar's psum, stage 2's hooks and
+  its 16-bit accumulation all take the rule. The numbers are dyadic, so the
+  applied step is exact: master = 1 - 2^-16 * 20000."""
+  n = 4
+  params = {"a": jnp.ones((7, 5), jnp.float16), "s": jnp.ones((), jnp.float16),
+            "big": jnp.ones((128, 256), jnp.float16)}   # 64 KiB: in place at 0
+  make = z1.zero2 if stage == 2 else z1.zero1
+  tx = make(optax.sgd(2.0 ** -16), axis_name="data", reduce=reduce,
+            loss_scale=z1.StaticLossScale(1.0), inplace_bytes=inplace)
+  p, s = z1.init(tx, params, mesh(n))
+  step = z1.train_step(mean_x_loss, tx, mesh(n), grad_accum_steps=accum)
+  x = np.full((8 * accum, 3), 20000, np.float16)
+  p, s, m = step(p, s, {"x": x})
+  if reduce == "all_reduce":
+    assert bool(m["skipped"]) and np.isinf(float(m["grad_norm"]))
+    assert_equal(p, params, "skipped ")
+    return
+  assert not bool(m["skipped"])
+  want = np.float32(1) - np.float32(2.0 ** -16 * 20000)
+  assert_equal(stored_master(p, s),
+               {k: np.full(v.shape, want, np.float32) for k, v in params.items()},
+               "master ")
+
+
 def test_bad_scaler_settings():
   with pytest.raises(ValueError, match="loss_scale_window"):
     z1.DynamicLossScale(loss_scale_window=0)

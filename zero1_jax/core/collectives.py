@@ -70,6 +70,28 @@ def _split_shards(pieces: dict[int, list[jax.Array]], layout: Layout
   return out
 
 
+def predivides(dtype, all_reduce: bool = False) -> bool:
+  """Whether a gradient travelling in ``dtype`` is divided by N *before* it
+  is summed: float16 on the reduce-scatter path, as DeepSpeed's ZeRO-1/2
+  divides each bucket first (``runtime/zero/stage_1_and_2.py:1687-1688``,
+  0.19.8), so a sum overflows fp16 only where the mean would (summing first,
+  the threshold would fall with N). Its ``reduce_scatter: false`` path sums
+  first (``:1498-1506``), and so does ``all_reduce=True`` here. Other dtypes
+  sum first: bf16 and fp32 have fp32's range, and for N a power of two the
+  two orders give the same bits."""
+  return not all_reduce and jnp.dtype(dtype) == jnp.float16
+
+
+def predivide(x: jax.Array, n: int) -> jax.Array:
+  return x / jnp.asarray(n, x.dtype)
+
+
+def restore_sum(x: jax.Array, n: int) -> jax.Array:
+  """A predivided sum (a mean, in fp16) back to the sum, in float32, where it
+  cannot overflow: the update divides every leaf by N x loss scale alike."""
+  return x.astype(jnp.float32) * jnp.float32(n)
+
+
 class Reduced(NamedTuple):
   """What :func:`reduce_scatter` hands back."""
 
@@ -83,14 +105,18 @@ class Reduced(NamedTuple):
 
 def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
                    buckets: Sequence[Bucket], axis_name: str, *,
-                   all_reduce: bool = False) -> Reduced:
+                   all_reduce: bool = False, predivide_fp16: bool = True
+                   ) -> Reduced:
   """Sums full local gradients over the axis; returns this device's shards.
 
   ``all_reduce=True`` takes the all-reduce path instead (``psum`` of the
   bucket, then this device's slice): the same result, 1.5x the traffic of
   reduce-scatter; kept for parity with DeepSpeed's ``reduce_scatter: false``.
   Each bucket is one collective. The shards are ``{leaf index: shard}`` for
-  SHARD leaves, in each bucket's dtype.
+  SHARD leaves, in each bucket's dtype; a float16 bucket on the reduce-scatter
+  path travels divided by N (:func:`predivides`; ``predivide_fp16=False``:
+  not, for pieces that sum to a mean already) and arrives as the sum in
+  float32.
   """
   n = layout.num_shards
   views: dict[int, jax.Array] = {}
@@ -99,10 +125,14 @@ def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
   packed: list[tuple[jax.Array, tuple[int, ...]]] = []
   me = jax.lax.axis_index(axis_name) if all_reduce else None
   for b in buckets:
+    pre = predivide_fp16 and predivides(b.dtype, all_reduce)
     i = b.whole_leaf(layout)
     if i is not None:
-      whole[i] = _reduce_leaf(grads[i].astype(b.dtype), layout.leaves[i],
+      g = grads[i].astype(b.dtype)
+      whole[i] = _reduce_leaf(predivide(g, n) if pre else g, layout.leaves[i],
                               axis_name, all_reduce)
+      if pre:
+        whole[i] = restore_sum(whole[i], n)
       continue
     cols = []
     for s in b.segments:
@@ -115,8 +145,12 @@ def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
       total = jax.lax.psum(buf, axis_name)
       mine = jax.lax.dynamic_index_in_dim(total, me, axis=0, keepdims=False)
     else:
+      if pre:
+        buf = predivide(buf, n)
       mine = jax.lax.psum_scatter(buf.reshape(-1), axis_name,
                                   scatter_dimension=0, tiled=True)
+      if pre:
+        mine = restore_sum(mine, n)
     packed.append((mine, tuple(sorted({s.leaf for s in b.segments}))))
     at = 0
     for s in b.segments:
@@ -183,9 +217,12 @@ def all_gather(shards: dict[int, jax.Array], layout: Layout,
 
 
 def psum_replicated(grads: Sequence[jax.Array | None], layout: Layout,
-                    axis_name: str) -> dict[int, jax.Array]:
+                    axis_name: str, *, all_reduce: bool = False,
+                    predivide_fp16: bool = True) -> dict[int, jax.Array]:
   """All-reduces the REPLICATE leaves (scalars; on a 2-D mesh also blocks
-  not split over the axis), one psum per dtype."""
+  not split over the axis), one psum per dtype; float16 ones divided by N
+  first as in :func:`reduce_scatter`, arriving as float32 sums."""
+  n = layout.num_shards
   groups: dict[jnp.dtype, list[int]] = {}
   for i, spec in enumerate(layout.leaves):
     if spec.kind == REPLICATE:
@@ -193,7 +230,9 @@ def psum_replicated(grads: Sequence[jax.Array | None], layout: Layout,
   out = {}
   for _, idx in groups.items():
     flat = jnp.concatenate([jnp.reshape(grads[i], -1) for i in idx])
-    total = jax.lax.psum(flat, axis_name)
+    pre = predivide_fp16 and predivides(flat.dtype, all_reduce)
+    total = jax.lax.psum(predivide(flat, n) if pre else flat, axis_name)
+    total = restore_sum(total, n) if pre else total
     at = 0
     for i in idx:
       size = layout.leaves[i].shard_size

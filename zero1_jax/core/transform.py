@@ -278,15 +278,25 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     # consumers). A divide, not a multiply by the reciprocal: bitwise what
     # optax computes from pmean'd gradients.
     packed = []
+    all_reduce = cfg.reduce == "all_reduce"
     if pre_reduced:   # stage 2: summed shards (zero2.py), still / N
       reduced = {i: g_leaves[i] for i in layout.indices(lay.SHARD)
                  + layout.indices(lay.REPLICATE)}
+      # fp16 travelled divided by N (collectives.predivides): back to sums.
+      reduced = {i: col.restore_sum(v, n) if col.predivides(v.dtype, all_reduce)
+                 else v for i, v in reduced.items()}
     elif grads_are == jm.REDUCED:   # jit already summed them: no collective
       reduced = jm.local_shards(g_leaves, layout, axis)
     else:
+      # fp16 device gradients travel divided by N (collectives.predivides);
+      # jit's unreduced pieces (PARTIAL) sum to the mean already.
+      pre = grads_are == jm.LOCAL
       reduced, packed = col.reduce_scatter(g_leaves, layout, r_buckets, axis,
-                                           all_reduce=cfg.reduce == "all_reduce")
-      reduced.update(col.psum_replicated(g_leaves, layout, axis))
+                                           all_reduce=all_reduce,
+                                           predivide_fp16=pre)
+      reduced.update(col.psum_replicated(g_leaves, layout, axis,
+                                         all_reduce=all_reduce,
+                                         predivide_fp16=pre))
     r = {i: v.astype(cfg.master_dtype) for i, v in reduced.items()}
     scale = state.loss_scale.scale
     # jit's gradients are of the global mean loss already: no 1/N there.

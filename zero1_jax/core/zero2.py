@@ -95,8 +95,14 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
   get no cotangent (None: a zero that is never built).
   """
 
+  # fp16 travels divided by N (collectives.predivides); the update restores
+  # the sums in float32 (tx.apply(..., pre_reduced=True)).
+  pre = col.predivides(dtype, all_reduce)
+
   def reduce(cts):
     cts = [c.astype(dtype) for c in cts]
+    if pre:
+      cts = [col.predivide(c, n) for c in cts]
     if specs[0].kind == lay.REPLICATE:
       total = jax.lax.psum(jnp.stack(cts), axis_name)
       return tuple(total[k] for k in range(len(cts)))
