@@ -194,3 +194,25 @@ def test_one_cpu_device_by_default_says_nothing_is_sharded():
   assert note(8, None, False, "cpu") is None     # XLA_FLAGS gave 8
   assert note(1, None, True, "cpu") is None      # one per process, by design
   assert note(1, None, False, "gpu") is None
+
+
+def test_step_lines_say_when_a_step_was_skipped():
+  """A skipped step's line says so, with the loss scale it goes to (it
+  showed the loss and scale as if the step had been taken); without fp16
+  there is no loss scale to show (it printed "scale 1")."""
+  from types import SimpleNamespace
+  from zero1_jax.cli import reports
+  row = dict(step=3, loss=5.5, skipped=False, loss_scale=1.0, samples_per_s=9.0)
+  assert reports.step_line(row, False, None) == \
+      "step     3 loss 5.5000 9.0 samples/s"
+  fp16 = {**row, "skipped": True, "loss_scale": 256.0}
+  halved, kept = SimpleNamespace(loss_scale=128.0), SimpleNamespace(loss_scale=256.0)
+  assert reports.step_line(fp16, True, halved) == (
+      "step     3 loss 5.5000 scale 256 9.0 samples/s  SKIPPED (gradient "
+      "overflow: weights and optimizer state unchanged; loss scale 256 -> 128)")
+  assert reports.step_line(fp16, True, kept).endswith(
+      "loss scale stays 256 (hysteresis))")
+  nan = {**row, "skipped": True, "loss": None}
+  assert reports.step_line(nan, False, None) == (
+      "step     3 loss nan 9.0 samples/s  SKIPPED (inf/nan gradients: "
+      "weights and optimizer state unchanged)")

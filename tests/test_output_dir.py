@@ -82,7 +82,12 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
   assert run(tmp_path, out, "--max_steps", "3", "--save_steps", "2",
              "--overwrite_output_dir",
              config={**CONFIG, "steps_per_print": 2}) == 0
-  assert logged_steps(capsys.readouterr().out) == [1, 2, 3]
+  printed = capsys.readouterr().out
+  assert logged_steps(printed) == [1, 2, 3]
+  # it says what it deleted (the checkpoints too: HF's flag deletes nothing)
+  assert (f"--overwrite_output_dir: removed the earlier run's metrics.jsonl, "
+          f"summary.json, ds_config.json, loss_curve.png, memory.png, "
+          f"checkpoints/ from {out}") in printed, printed
   assert steps(out) == [1, 2, 3]
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
       "2", "3", "latest"]
@@ -91,7 +96,12 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
   # user sees at once that it runs (it showed nothing until step 5)
   assert run(tmp_path, out, "--max_steps", "6", "--resume", "latest",
              config={**CONFIG, "steps_per_print": 5}) == 0
-  assert logged_steps(capsys.readouterr().out) == [4, 5, 6]
+  printed = capsys.readouterr().out
+  assert logged_steps(printed) == [4, 5, 6]
+  # no --save_steps this time: the last line says what a resume would lose
+  assert printed.strip().splitlines()[-1].endswith(
+      "; steps 4-6 not saved (--save_steps): --resume latest continues "
+      "from 3"), printed
 
 
 def test_output_dir_that_is_a_file(tmp_path, capsys):
@@ -136,6 +146,12 @@ def test_all_steps_skipped_gives_valid_json(tmp_path, capsys):
   assert run(tmp_path, out, "--max_steps", "2", config=cfg) == 0
   text = capsys.readouterr().out
   assert "nan" not in text and "all 2 steps were skipped" in text
+  # each skipped step says so as it happens (DeepSpeed: "OVERFLOW! Skipping
+  # step"); the step lines showed only the loss and the scale
+  skipped = [l for l in text.splitlines() if l.startswith("step ")]
+  assert len(skipped) == 2 and all(
+      "SKIPPED (gradient overflow: weights and optimizer state unchanged; "
+      "loss scale " in l for l in skipped), text
   summary = json.loads((out / "summary.json").read_text(),
                        parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
   assert summary["first_loss"] is None and summary["skipped_steps"] == 2
@@ -184,6 +200,8 @@ def test_resume_with_another_global_batch_says_so(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert ("note: the global batch changes at step 3 from 8 to 4 sequences "
           "(2 per device x 1 accumulation x 2 devices)") in printed, printed
+  assert ("note: from step 3 this run trains with num_devices 4 -> 2; "
+          "summary.json keeps each segment's settings") in printed, printed
   assert steps(out) == [1, 2, 3, 4]
   # resumed where it ended: says there is nothing to train (it said
   # "4 steps (0 skipped) in 0.0s"), and --do_train from an HF command is fine
@@ -195,6 +213,23 @@ def test_resume_with_another_global_batch_says_so(tmp_path, capsys):
   assert last.startswith("[zero1-train] nothing to train: the run is at step 4 "
                          "(--max_steps 4; a larger one continues it)"), last
   assert steps(out) == [1, 2, 3, 4]
+  # each stretch's settings are kept: the resume at 2 devices did not
+  # overwrite the first segment's
+  segs = json.load(open(out / "summary.json"))["segments"]
+  assert [(g["from_step"], g["num_devices"]) for g in segs] == [
+      (0, 4), (2, 4), (3, 2)]
+  # a resume with nothing to train leaves every file as it was (it cut
+  # metrics.jsonl back to the checkpoint and rewrote summary, config, plots)
+  with open(out / "metrics.jsonl", "a") as f:
+    f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n")  # an unsaved step
+  before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+  assert train.main(["--deepspeed", str(path), "--num_devices", "2",
+                     "--model_name_or_path", "bert-tiny", "--seq_len", "16",
+                     "--no_progress", "--output_dir", str(out), "--max_steps",
+                     "3", "--resume", "latest"]) == 0
+  assert capsys.readouterr().out.strip().splitlines()[-1].endswith(
+      f"{out} left as it was")
+  assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
 def test_a_used_output_dir_without_checkpoints_does_not_suggest_resume(tmp_path):

@@ -218,10 +218,28 @@ def write_outputs(out_dir: str, history: list[dict], mem: dict, engine,
              "first_loss": mean(losses[:k]), "last_loss": mean(losses[-k:]),
              "resumed_from": resumed_from,
              "steps_this_run": engine.global_steps - start, "wall_s": wall,
-             "run": run or {}, "memory": mem}
+             "run": run or {},
+             "segments": _segments(out_dir, start, run or {}),
+             "memory": mem}
   with open(os.path.join(out_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, allow_nan=False)
   return summary
+
+
+def _segments(out_dir: str, start: int, run: dict) -> list[dict]:
+  """Each stretch of the run with its settings, ``{"from_step": s, **run}``:
+  the earlier summary's segments that began before ``start`` (a resume; the
+  later ones were abandoned), then this invocation's."""
+  before = []
+  if start:
+    try:
+      with open(os.path.join(out_dir, "summary.json")) as f:
+        old = json.load(f)
+      before = old.get("segments") or [{"from_step": 0, **old.get("run", {})}]
+    except (OSError, ValueError, AttributeError):
+      before = []
+  return [g for g in before if g.get("from_step", 0) < start] + [
+      {"from_step": start, **run}]
 
 
 def finite(x) -> float | None:

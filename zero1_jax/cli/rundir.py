@@ -49,14 +49,20 @@ def check(output_dir: str, *, overwrite: bool, resume: str | None) -> str:
   return path
 
 
-def clear(path: str) -> None:
-  """``--overwrite_output_dir``: removes what an earlier run wrote there."""
+def clear(path: str) -> list[str]:
+  """``--overwrite_output_dir``: removes what an earlier run wrote there;
+  returns the names removed (zero1-train lists them)."""
+  gone = []
   for name in RUN_FILES:
     p = os.path.join(path, name)
     if os.path.isdir(p) and not os.path.islink(p):
       shutil.rmtree(p)
     elif os.path.lexists(p):
       os.remove(p)
+    else:
+      continue
+    gone.append(name + "/" if name == "checkpoints" else name)
+  return gone
 
 
 def has_metrics(path: str) -> bool:

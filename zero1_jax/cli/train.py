@@ -19,7 +19,7 @@ import sys
 import time
 
 from zero1_jax.cli import (common, config_flags, hf_auto, interrupt,
-                            rundir, train_args)
+                           reports, rundir, train_args)
 
 log = logging.getLogger("zero1_jax")
 
@@ -113,13 +113,20 @@ def _setup(args):
   common.release_notes()
   if main:
     if args.overwrite_output_dir:
-      rundir.clear(args.output_dir)
+      gone = rundir.clear(args.output_dir)
+      if gone:
+        print(f"[zero1-train] --overwrite_output_dir: removed the earlier "
+              f"run's {', '.join(gone)} from {args.output_dir}", flush=True)
     print(f"[zero1-train] {args.model_name_or_path}: architecture only, "
-          f"weights start random (nothing is downloaded).", flush=True)
+          f"weights start random (nothing is downloaded); outputs go to "
+          f"{args.output_dir}", flush=True)
     note = _one_cpu_device_note(mesh.size, args.num_devices, multi,
                                 jax.default_backend())
     if note:
       print(note, flush=True)
+  if main:
+    print("[zero1-train] initialising the parameters, checking the optimizer "
+          "on their shards and sharding its state...", flush=True)
   params = init(jax.random.key(args.seed))
   batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
                             cfg.train_batch_size, seed=args.seed)
@@ -143,8 +150,8 @@ def _resume(engine, args, ckpt_dir) -> None:
   print(f"[zero1-train] resumed from {ckpt_dir} at step {engine.global_steps} "
         f"(data position {extra.get('data_step', engine.global_steps)})",
         flush=True)
-  _report_batch_change(engine, args.output_dir)
-  _report_unfinished_saves(ckpt_dir)
+  reports.report_batch_change(engine, args.output_dir)
+  reports.report_unfinished_saves(ckpt_dir)
   later = [s for s in checkpoint.committed_steps(ckpt_dir)
            if s > engine.global_steps]
   if later:
@@ -152,44 +159,6 @@ def _resume(engine, args, ckpt_dir) -> None:
           f"from the run before this resume, not continued (once this run "
           f"saves, --resume latest and zero1-export take its last save; a "
           f"save at the same step replaces one)", flush=True)
-
-
-def _report_batch_change(engine, output_dir: str) -> None:
-  """A resume with another global batch (other --num_devices or micro batch
-  with a derived train_batch_size) trains on, as DeepSpeed and the HF
-  Trainer do, but says so: the run's ds_config.json is rewritten with it."""
-  try:
-    with open(os.path.join(output_dir, "ds_config.json")) as f:
-      before = json.load(f)["train_batch_size"]
-  except (OSError, ValueError, KeyError):
-    return
-  cfg = engine.config
-  if before != cfg.train_batch_size:
-    print(f"[zero1-train] note: the global batch changes at step "
-          f"{engine.global_steps} from {before} to {cfg.train_batch_size} "
-          f"sequences ({cfg.train_micro_batch_size_per_gpu} per device x "
-          f"{cfg.gradient_accumulation_steps} accumulation x {cfg.world_size} "
-          f"devices); the data order from here differs from a run at "
-          f"{before}", flush=True)
-
-
-class _DropOrbaxTmpNotice(logging.Filter):
-  """orbax's absl WARNING on re-saving an unfinished step's directory: said
-  once, in zero1-train's own words, by :func:`_report_unfinished_saves`."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return "since it is not finalized" not in record.getMessage()
-
-
-def _report_unfinished_saves(ckpt_dir: str) -> None:
-  """A save cut short (kill -9, power loss) leaves a step directory that is
-  never loaded; say so, instead of orbax's warning when it is replaced."""
-  from zero1_jax.checkpoint import steps
-  cut = steps.unfinished_steps(ckpt_dir)
-  if cut:
-    print(f"[zero1-train] step {', '.join(map(str, cut))} in {ckpt_dir}: a "
-          f"save cut short, never loaded; replaced when saved again", flush=True)
-    logging.getLogger("absl").addFilter(_DropOrbaxTmpNotice())
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -203,6 +172,10 @@ def run(args: argparse.Namespace) -> dict | None:
   ckpt_dir = os.path.join(args.output_dir, "checkpoints")
   if resume:
     _resume(engine, args, ckpt_dir)
+    if engine.global_steps >= args.max_steps:
+      return reports.nothing_to_train(engine, args, ckpt_dir, main_process)
+    if main_process:
+      reports.report_setting_change(engine, args)
   os.makedirs(args.output_dir, exist_ok=True)
   if main_process:
     with open(os.path.join(args.output_dir, "ds_config.json"), "w") as f:
@@ -214,6 +187,9 @@ def run(args: argparse.Namespace) -> dict | None:
   try:
     interrupt.check()
     if engine.global_steps < args.max_steps:
+      if main_process:
+        print("[zero1-train] compiling the training step (minutes for a "
+              "large model on CPU)...", flush=True)
       _compiled_check(engine, batches, est, args, main_process)
       t0 = time.perf_counter()
     # after compiling: its line would land on the bar's, its time in the rate
@@ -222,7 +198,7 @@ def run(args: argparse.Namespace) -> dict | None:
     _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
            ckpt_dir)
     bar.close()
-    with interrupt.deferred_sigint(resume_hint=lambda: _where(ckpt_dir)):
+    with interrupt.deferred_sigint(resume_hint=lambda: reports.where(ckpt_dir)):
       engine.wait_checkpoints()
   except KeyboardInterrupt:
     interrupt.handled()
@@ -246,38 +222,18 @@ def run(args: argparse.Namespace) -> dict | None:
            f"the resume" if saved and last != saved[-1] else "")
   where = (f"; checkpoints (steps {shown}{stale}) in {ckpt_dir}"
            if saved else "; no checkpoints (--save_steps)")
-  if engine.global_steps == start:   # resumed at --max_steps already
-    print(f"[zero1-train] nothing to train: the run is at step {start} "
-          f"(--max_steps {args.max_steps}; a larger one continues it); "
-          f"outputs in {args.output_dir}{where}", flush=True)
-    return summary
+  if saved and last < engine.global_steps:
+    where += (f"; {reports.span(last + 1, engine.global_steps)} not saved "
+              f"(--save_steps): --resume latest continues from {last}")
   done = (f"{engine.global_steps} step{'s' * (engine.global_steps != 1)} "
           f"({engine.skipped_steps} skipped)"
           if not start else
-          f"{_span(start + 1, engine.global_steps)} after resuming at {start} "
+          f"{reports.span(start + 1, engine.global_steps)} after resuming at {start} "
           f"({engine.global_steps} in all, {engine.skipped_steps} skipped)")
   print(f"[zero1-train] {done} in {wall:.1f}s of training (compiling before "
         f"it not counted); {common.loss_text(summary)}; outputs in "
         f"{args.output_dir}{where}", flush=True)
   return summary
-
-
-def _span(first: int, last: int) -> str:
-  """'step 3' or 'steps 3-7'."""
-  return f"step {first}" if first == last else f"steps {first}-{last}"
-
-
-def _where(ckpt_dir: str) -> str:
-  """The committed step a --resume latest continues from, read from the
-  directory alone: an orbax manager's constructor syncs every process, and
-  another may be stuck in a step this one never joins."""
-  from zero1_jax.checkpoint import steps
-  last = steps.latest_step(ckpt_dir)
-  if last is None:
-    return ("no checkpoint was saved yet (--save_steps): --resume latest "
-            "starts again from step 0")
-  return (f"the last checkpoint is step {last} in {ckpt_dir}: "
-          f"--resume latest continues from it")
 
 
 def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
@@ -287,11 +243,11 @@ def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
     print("[zero1-train] interrupted: finishing any checkpoint save in flight "
           "(Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
   try:
-    with interrupt.abandon_on_sigint(resume_hint=lambda: _where(ckpt_dir)):
+    with interrupt.abandon_on_sigint(resume_hint=lambda: reports.where(ckpt_dir)):
       engine.wait_checkpoints()
   except Exception:  # noqa: BLE001 - a failed save: not committed, see below
     pass
-  where = _where(ckpt_dir)
+  where = reports.where(ckpt_dir)
   if not history:
     return f"interrupted before the first step; {where}"
   return (f"interrupted after step {history[-1]['step']} (its metrics are in "
@@ -318,18 +274,18 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
     if main_process:
       common.append_metrics(args.output_dir, row)
     bar.update(1)
-    bar.set_postfix(loss=f"{float('nan') if row['loss'] is None else row['loss']:.3f}",
-                    samples_s=f"{row['samples_per_s']:.1f}")
+    loss = float("nan") if row["loss"] is None else row["loss"]
+    bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{row['samples_per_s']:.1f}",
+                    **({"skipped": engine.skipped_steps}
+                       if engine.skipped_steps else {}))
     if main_process and log_lines and (
         row["step"] == first or row["step"] % every == 0
-        or row["step"] == args.max_steps):
-      print(f"step {row['step']:5d} loss {float('nan') if row['loss'] is None else row['loss']:.4f} scale "
-            f"{row['loss_scale']:.0f} {row['samples_per_s']:.1f} samples/s",
-            flush=True)
+        or row["step"] == args.max_steps or row["skipped"]):
+      print(reports.step_line(row, cfg.fp16.enabled, engine), flush=True)
     if args.save_steps and (engine.global_steps % args.save_steps == 0
                             or engine.global_steps == args.max_steps):
       with interrupt.deferred_sigint(    # never inside orbax
-          resume_hint=lambda: _where(ckpt_dir)):
+          resume_hint=lambda: reports.where(ckpt_dir)):
         engine.save_checkpoint(
             ckpt_dir, extra={"data_step": engine.global_steps, "seed": args.seed},
             max_to_keep=args.save_total_limit)
