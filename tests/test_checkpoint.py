@@ -240,9 +240,21 @@ def test_export_cli(saved, tmp_path, capsys):
                               "replaces it)") and err.count("\n") == 1, err
   assert export_cli.main([str(saved.dir), str(tmp_path / "pos"),
                           "--overwrite"]) == 0
+  # zero_to_fp32.py's --tag (global_stepN or N) picks the step as --step
+  for tag in (f"global_step{K}", str(K)):
+    assert export_cli.main([str(saved.dir), str(tmp_path / tag),
+                            "--tag", tag]) == 0
+    assert f"step {K}" in capsys.readouterr().out
+  assert export_cli.main([str(saved.dir), str(tmp_path / "t99"),
+                          "--tag", "global_step99"]) == 2
+  assert "step 99" in capsys.readouterr().err
   for argv, needle in ((["--output_dir", str(tmp_path / "z")], "checkpoint dir is required"),
                        ([str(saved.dir), "--checkpoint_dir", "other",
-                         "--output_dir", "o"], "disagree")):
+                         "--output_dir", "o"], "disagree"),
+                       ([str(saved.dir), "o", "--tag", "best"],
+                        "--tag best: give a step, as global_stepN or N"),
+                       ([str(saved.dir), "o", "--tag", "3", "--step", "4"],
+                        "disagree")):
     with pytest.raises(SystemExit) as e:
       export_cli.main(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err

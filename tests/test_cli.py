@@ -83,6 +83,9 @@ def test_stage2_config_trains(tmp_path, capsys):
     (["--train_batch_size", "16"], None, "--train_batch_size 16 conflicts with train_batch_size=32"),
     ([], {"optimizer": {"type": "Adamm", "params": {}}}, "Adamm"),
     ([], {"bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled"),
+    (["--bf16"], {"train_batch_size": 8},   # the flag is named, and the fix
+     "--bf16 set bf16.enabled and the JSON enables fp16: drop --bf16 or set "
+     "fp16.enabled false in the JSON"),
     (["--num_devices", "64"], None, "--num_devices 64 but only 8"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, capsys, extra, cfg_edit, message):
@@ -216,3 +219,18 @@ def test_step_lines_say_when_a_step_was_skipped():
   assert reports.step_line(nan, False, None) == (
       "step     3 loss nan 9.0 samples/s  SKIPPED (inf/nan gradients: "
       "weights and optimizer state unchanged)")
+
+
+def test_auto_batch_alone_names_the_flag_that_gives_it(tmp_path, capsys):
+  """"train_batch_size": "auto" and no micro batch anywhere: DeepSpeed's
+  message, plus the zero1-train flag that fixes it (it named neither)."""
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps({"train_batch_size": "auto", "optimizer": {
+      "type": "AdamW", "params": {"lr": 1e-3}}}))
+  assert train.main(["--deepspeed", str(path), "--num_devices", "2",
+                     "--model_name_or_path", "bert-tiny", "--max_steps", "1",
+                     "--output_dir", str(tmp_path / "o")]) == 2
+  err = capsys.readouterr().err
+  assert "needs to be provided; zero1-train's --per_device_train_batch_size " \
+         "gives the micro batch" in err, err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1

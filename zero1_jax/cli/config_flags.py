@@ -14,6 +14,32 @@ log = logging.getLogger("zero1_jax")
 
 def load(zconfig, path: str, world_size: int, flags: dict, *, max_steps: int,
          hidden_size):
+  """:func:`_load`; a config error that a flag caused, or that a flag would
+  fix, says which flag."""
+  try:
+    return _load(zconfig, path, world_size, flags, max_steps=max_steps,
+                 hidden_size=hidden_size)
+  except zconfig.ConfigError as e:
+    hint = _flag_hint(str(e), flags)
+    if not hint:
+      raise
+    raise type(e)(f"{e}; {hint}") from None
+
+
+def _flag_hint(message: str, flags: dict) -> str | None:
+  if "needs to be provided" in message:
+    return ("zero1-train's --per_device_train_batch_size gives the micro "
+            "batch (\"auto\" batch keys alone leave nothing to derive from)")
+  if "both true" in message:
+    for flag, other in (("bf16", "fp16"), ("fp16", "bf16")):
+      if flags.get(flag):
+        return (f"--{flag} set {flag}.enabled and the JSON enables {other}: "
+                f"drop --{flag} or set {other}.enabled false in the JSON")
+  return None
+
+
+def _load(zconfig, path: str, world_size: int, flags: dict, *, max_steps: int,
+          hidden_size):
   """The JSON with its "auto" values filled as the HF Trainer fills them
   (:mod:`.hf_auto`) and the command-line flags applied, validated once: an
   error names the numbers the flags gave (not the JSON's alone), and the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 
 
@@ -31,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="new directory for the exported parameters")
   p.add_argument("--step", type=int, default=None,
                  help="step to export (default: the latest committed step)")
+  p.add_argument("--tag", default=None,
+                 help="as --step, in DeepSpeed's zero_to_fp32.py form: "
+                      "global_stepN or N")
   p.add_argument("--overwrite", action="store_true",
                  help="replace --output_dir if it exists")
   return p
@@ -47,6 +51,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
       p.error(f"the {name.replace('_', ' ')} is required: zero1-export "
               "CHECKPOINT_DIR OUTPUT_DIR (or --checkpoint_dir, --output_dir)")
     setattr(args, name, flag if flag is not None else given)
+  if args.tag is not None:
+    m = re.fullmatch(r"(?:global_step)?(\d+)", args.tag)
+    if not m:
+      p.error(f"--tag {args.tag}: give a step, as global_stepN or N")
+    if args.step is not None and args.step != int(m.group(1)):
+      p.error(f"--tag {args.tag} and --step {args.step} disagree: give one")
+    args.step = int(m.group(1))
   return args
 
 
