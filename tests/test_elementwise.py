@@ -28,6 +28,7 @@ falls back to running each of its optimizers alone. The jaxpr check refuses
 the others before any compile, and each is then refused by z1.init alone.
 """
 
+import functools
 import inspect
 import pathlib
 import re
@@ -75,6 +76,9 @@ ARGS = {
     "lookahead": lambda: optax.lookahead(ADAM(), 2, 0.5),
     "masked": lambda: optax.masked(ADAM(), ndim_mask),
     "measure_with_ema": lambda: optax.measure_with_ema(lambda u: u, 0.9),
+    # its state gains the measurements' entries at the first update
+    "monitor": lambda: optax.monitor(
+        {"ema": optax.measure_with_ema(lambda u: u, 0.9)}),
     "multi_transform": lambda: optax.multi_transform(
         {"a": ADAM(), "s": optax.sgd(LR)},
         lambda p: jax.tree.map(lambda x: "a" if x.ndim > 1 else "s", p)),
@@ -127,7 +131,9 @@ def _factories() -> dict:
   for mod in (optax, optax.contrib):
     for name in sorted(dir(mod)):
       f = getattr(mod, name)
-      if name.startswith("_") or not inspect.isfunction(f):
+      # nadam / nadamw are functools.partial(adam / adamw, nesterov=True)
+      wrapped = f.func if isinstance(f, functools.partial) else f
+      if name.startswith("_") or not inspect.isfunction(wrapped):
         continue
       ret = str(inspect.signature(f).return_annotation)
       if "GradientTransformation" not in ret and name not in ARGS:
@@ -163,6 +169,21 @@ def make(f, name):
 
 
 FACTORIES = _factories()
+# Refused because their API does not fit zero1's init(params) /
+# update(grads, state, params) on the shards, not for their arithmetic.
+CANNOT_RUN = {
+    "optax.monitor",              # state structure grows at the first update
+    "optax.lookahead",            # params must be LookaheadParams
+    "optax.contrib.differentially_private_aggregate",  # per-example grads
+    "optax.contrib.dpsgd", "optax.contrib.hutchinson_estimator_diag_hessian",
+    "optax.contrib.sophia", "optax.contrib.scale_by_muon",
+    "optax.polyak_sgd", "optax.scale_by_polyak", "optax.contrib.momo",
+    "optax.contrib.momo_adam", "optax.contrib.reduce_on_plateau",
+    "optax.scale_by_backtracking_linesearch",
+    "optax.scale_by_zoom_linesearch",
+    # their init fails on the tree zero1 hands (None at integer leaves)
+    "optax.contrib.galore", "optax.contrib.scale_by_galore",
+    "optax.selective_transform"}
 CASES = {**{k: (lambda f=f, n=n: make(f, n)) for k, (f, n) in FACTORIES.items()},
          **EXTRA}
 
@@ -350,7 +371,14 @@ def _at(tree, path):
 def test_matches_unsharded_optax_or_is_refused(name, outcomes):
   kind, detail = outcomes[name]
   if kind == "refused":
-    assert detail.startswith("zero1: the inner optimizer is not elementwise ("), detail
+    # "not elementwise" only when that is the reason; an API that does not
+    # fit zero1's call (extra update arguments, a state that changes
+    # structure) says so instead (it said "not elementwise ... would
+    # silently change its result" for those too)
+    api = detail.startswith("zero1: the inner optimizer cannot run under zero1 (")
+    assert api or detail.startswith(
+        "zero1: the inner optimizer is not elementwise ("), detail
+    assert api == (name in CANNOT_RUN), (name, detail)
     assert "Use it unsharded" in detail, detail
   else:
     assert detail <= 1.0, f"{name}: error {detail:.3g} x the allowed tolerance"
@@ -358,6 +386,19 @@ def test_matches_unsharded_optax_or_is_refused(name, outcomes):
     supported, refused = readme_lists()
     listed = "matched" if name in supported else "refused" if name in refused else None
     assert listed == kind, f"README lists {name} as {listed}, the test finds {kind}"
+
+
+def test_refusals_for_the_api_say_what_zero1_calls(outcomes):
+  """An optimizer that needs a loss value, or whose state grows, is told
+  what zero1 calls and why that does not fit, not "not elementwise"."""
+  for name in ("optax.polyak_sgd", "optax.contrib.reduce_on_plateau"):
+    kind, detail = outcomes[name]
+    assert kind == "refused" and "'value'" in detail, detail
+    assert "needs more (a loss value=" in detail, detail
+  kind, detail = outcomes["optax.monitor"]
+  assert "(its updates or new state have another structure than its " \
+         "inputs). zero1 calls init(params) and update(grads, state, " \
+         "params)" in detail, detail
 
 
 def test_readme_lists_exactly_the_enumerated_optimizers():

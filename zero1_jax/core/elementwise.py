@@ -64,11 +64,40 @@ REFUSAL = (
     "skips this check.")
 
 
+# Reasons that are not about elementwise arithmetic: the optimizer's API does
+# not fit what zero1 calls (extra update arguments, a state that changes
+# structure, an init or update that fails on the shards zero1 hands it).
+CANNOT_RUN = (
+    "zero1: the inner optimizer cannot run under zero1 ({why}). zero1 calls "
+    "init(params) and update(grads, state, params) on each device's 1/N "
+    "shards of the parameters, with no other arguments, and keeps the "
+    "state's structure as init made it.{extra} Use it unsharded (plain data "
+    "parallel), or an optimizer that fits that call; zero1(..., "
+    "check_elementwise=False) skips this check if the check itself is what "
+    "fails.")
+_API_REASONS = ("its init fails on", "its state structure depends",
+                "its update(grads, state, params) cannot be traced",
+                "its updates or new state have another structure",
+                "its update fails on the probe")
+
+
+def refusal(why: str) -> str:
+  """The refusal message for ``why``: :data:`CANNOT_RUN` when the optimizer's
+  API does not fit zero1's call, else :data:`REFUSAL` (not elementwise)."""
+  if not why.startswith(_API_REASONS):
+    return REFUSAL.format(why=why)
+  extra = ""
+  if "required keyword-only argument" in why or "required positional" in why:
+    extra = (" This one needs more (a loss value=, a per-example gradient "
+             "or a function to evaluate), which z1.train_step does not pass.")
+  return CANNOT_RUN.format(why=why, extra=extra)
+
+
 class Refused(ValueError):
-  """The REFUSAL ValueError; ``why`` names the reason."""
+  """The refusal ValueError (:func:`refusal`); ``why`` names the reason."""
 
   def __init__(self, why: str):
-    super().__init__(REFUSAL.format(why=why))
+    super().__init__(refusal(why))
     self.why = why
 
 
