@@ -13,9 +13,10 @@ from typing import Any
 
 ANY, DICT = object(), object()
 _XLA = "XLA schedules, fuses and overlaps collectives itself"
-_OVERLAP = ("XLA schedules collectives itself; zero1-train turns on XLA's "
-            "latency-hiding scheduler on GPU when it is true "
-            "(--xla_gpu_enable_latency_hiding_scheduler)")
+_OVERLAP = ("XLA schedules collectives itself; its latency-hiding scheduler "
+            "overlaps them on GPU: zero1-train turns it on when this is true, "
+            "your own program sets XLA_FLAGS="
+            "--xla_gpu_enable_latency_hiding_scheduler=true before jax starts")
 _TORCH = "PyTorch/CUDA-specific; no equivalent under JAX/XLA"
 _S3 = "only used by ZeRO stage 3"
 _OFF = "no CPU/NVMe offload under XLA"
