@@ -221,11 +221,17 @@ def test_step_lines_say_when_a_step_was_skipped():
       "weights and optimizer state unchanged)")
 
 
-def test_auto_batch_alone_names_the_flag_that_gives_it(tmp_path, capsys):
-  """"train_batch_size": "auto" and no micro batch anywhere: DeepSpeed's
-  message, plus the zero1-train flag that fixes it (it named neither)."""
+def test_a_config_without_a_batch_names_the_flag_that_gives_it(tmp_path, capsys):
+  """No batch key at all and no batch flag: DeepSpeed's message, plus the
+  zero1-train flag that fixes it (it named neither). "train_batch_size":
+  "auto" alone takes HF's default micro batch (8), as the HF Trainer does
+  (it failed the same way)."""
+  from zero1_jax.cli import hf_auto
+  raw = {"train_batch_size": "auto"}
+  hf_auto.fill(raw, flags={}, max_steps=1, hidden_size=8)
+  assert raw == {"train_micro_batch_size_per_gpu": 8}    # tb derived: 8 x ws
   path = tmp_path / "ds.json"
-  path.write_text(json.dumps({"train_batch_size": "auto", "optimizer": {
+  path.write_text(json.dumps({"optimizer": {
       "type": "AdamW", "params": {"lr": 1e-3}}}))
   assert train.main(["--deepspeed", str(path), "--num_devices", "2",
                      "--model_name_or_path", "bert-tiny", "--max_steps", "1",

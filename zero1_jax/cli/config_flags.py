@@ -29,7 +29,7 @@ def load(zconfig, path: str, world_size: int, flags: dict, *, max_steps: int,
 def _flag_hint(message: str, flags: dict) -> str | None:
   if "needs to be provided" in message:
     return ("zero1-train's --per_device_train_batch_size gives the micro "
-            "batch (\"auto\" batch keys alone leave nothing to derive from)")
+            "batch")
   if "both true" in message:
     for flag, other in (("bf16", "fp16"), ("fp16", "bf16")):
       if flags.get(flag):

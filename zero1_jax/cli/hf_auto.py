@@ -78,6 +78,10 @@ def fill(raw: dict, *, flags: dict, max_steps: int, hidden_size: int) -> list[st
     if raw.get(k) == "auto" and k in given:
       put(raw, k, k, given[k], "flag")
   if not given and raw.get("train_batch_size") in (None, "auto"):
+    if raw.get("train_batch_size") == "auto" and _BATCH[0] not in raw:
+      # HF fills train_batch_size from its default micro batch; DeepSpeed
+      # then derives that micro batch back: the same as setting it.
+      raw[_BATCH[0]] = "auto"
     put(raw, _BATCH[0], _BATCH[0], HF_DEFAULTS["per_device_train_batch_size"],
         "HF default per_device_train_batch_size")
   derived = [k for k in _BATCH if raw.get(k) == "auto"]
