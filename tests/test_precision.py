@@ -10,6 +10,7 @@ import zero1_jax as z1
 from helpers import (assert_close, assert_equal, assert_ulps, batch,
                      exact_batches, exact_loss, float_part, loss_fn,
                      master_run, mesh, odd_params, stored_master)
+from tolerances import FP16_UNSCALED_REF
 
 
 class DeepSpeedScaler:
@@ -175,8 +176,9 @@ def test_fp16_sgd_matches_fp32_master_reference(model, kind, n, reduce):
   Tolerances: ``exact`` (exact_loss: dyadic gradients, exact in fp16 at any
   N and scale) must be bitwise the reference, master and params. ``tanh``
   at N=1: the fp16 params come out bitwise (measured 0 ulps; bound 1 ulp)
-  and the fp32 master within 1e-6 (measured 5.2e-7: the unscaled reference
-  gradients lose bits to fp16 subnormals that the scaled ones keep). ``tanh``
+  and the fp32 master within ``FP16_UNSCALED_REF`` (derived there: the
+  unscaled reference gradients lose bits to fp16 subnormals that the scaled
+  ones keep; measured 5.2e-7 on AVX-512 code, 1.03e-6 on AVX2). ``tanh``
   at N=4 computes fp16 gradients on 4 rows and sums them over devices in
   fp16, each rounding 2^-11 relative, where the reference does one fp16
   backward on 16 rows: after 5 SGD steps (momentum 0.9) the master differs
@@ -216,7 +218,8 @@ def test_fp16_sgd_matches_fp32_master_reference(model, kind, n, reduce):
     assert_equal(stored_master(p, s), ref_master, what + "master ")
     assert_equal(float_part(p), ref, what)
   elif n == 1:
-    assert_close(stored_master(p, s), ref_master, 1e-6, what + "master ")
+    assert_close(stored_master(p, s), ref_master, FP16_UNSCALED_REF,
+                 what + "master ")
     assert_ulps(float_part(p), ref, 1, what)
   else:
     assert_close(stored_master(p, s), ref_master, 5e-3, what + "master ")
