@@ -33,7 +33,8 @@ def usage_error(capsys, *argv) -> str:
     # an HF Trainer command's flags
     (["--warmup_ratio", "0.1"], "use --warmup_steps N"),
     (["--save_strategy", "steps"], "saves every --save_steps N steps"),
-    (["--report_to", "none"], "metrics go to OUTPUT_DIR/metrics.jsonl"),
+    (["--report_to", "mlflow"], "--report_to mlflow: zero1-train reports to "
+     "tensorboard, wandb, csv, all, none (DeepSpeed's monitors)"),
     (["--do_eval"], "does not evaluate"),
     (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
 ])

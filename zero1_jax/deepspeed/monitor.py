@@ -9,9 +9,11 @@ step (``runtime/pipe/engine.py`` ``train_batch``, ``runtime/engine.py``
 Only process 0 writes. Files go where DeepSpeed puts them:
 ``<output_path>/<job_name>/`` (relative paths from the working directory).
 
-- tensorboard: ``tensorboardX``'s ``SummaryWriter``, the writer
-  ``torch.utils.tensorboard`` was derived from, with neither torch nor
-  TensorFlow (the HF Trainer falls back to it too); flushed after each step.
+- tensorboard: ``tensorboardX`` (the library ``torch.utils.tensorboard`` was
+  derived from; needs neither torch nor TensorFlow; the HF Trainer falls
+  back to it too). Its synchronous ``EventsWriter``, not ``SummaryWriter``,
+  whose ``flush()`` leaves events queued for a thread: each step's events are
+  on disk when ``write_events`` returns, as DeepSpeed means by flushing.
 - csv_monitor: one ``<name with / as _>.csv`` per event, rows ``step,value``
   under a ``step,<last part of the name>`` header (``monitor/csv_monitor.py``).
 - wandb: ``wandb.init(project, group, entity=team)`` in offline mode unless
@@ -31,6 +33,7 @@ import csv
 import dataclasses
 import difflib
 import os
+import time
 from typing import Mapping, Sequence
 
 from zero1_jax.deepspeed import log as ds_log
@@ -131,7 +134,9 @@ class Monitors:
       return
     if cfg.tensorboard.enabled:
       try:
-        from tensorboardX import SummaryWriter
+        from tensorboardX import summary as tb_summary
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2
       except ImportError:
         raise ConfigError(
             "tensorboard.enabled is true but the tensorboardX package is not "
@@ -139,7 +144,10 @@ class Monitors:
             "or set tensorboard.enabled false") from None
       path = log_dir(cfg.tensorboard)
       os.makedirs(path, exist_ok=True)
-      self._tb = SummaryWriter(logdir=path)
+      self._tb = EventsWriter(os.path.join(path, "events"))
+      self._tb_event = lambda name, value, step: event_pb2.Event(
+          wall_time=time.time(), step=int(step),
+          summary=tb_summary.scalar(name, float(value)))
     if cfg.csv_monitor.enabled:
       self._csv_dir = log_dir(cfg.csv_monitor)
       os.makedirs(self._csv_dir, exist_ok=True)
@@ -162,7 +170,7 @@ class Monitors:
       return
     for name, value, step in events:
       if self._tb is not None:
-        self._tb.add_scalar(name, value, step)
+        self._tb.write_event(self._tb_event(name, value, step))
       if self._csv_dir is not None:
         self._csv_row(name, value, step)
       if self._wandb is not None:
