@@ -269,6 +269,14 @@ def test_report_to_sections_and_their_directories(tmp_path):
   # --logging_dir goes to every enabled directory monitor, the JSON's too
   got = config_flags.monitor_flags(raw, None, "D", "OUT")
   assert got == {"csv_monitor__output_path": "D", "csv_monitor__job_name": ""}
+  # through config_flags.load, as zero1-train calls it
+  from zero1_jax.deepspeed import monitor
+  cfg = _load(tmp_path, {"train_batch_size": 4, "optimizer": {
+      "type": "SGD", "params": {"lr": 1}}}, report_to=["tensorboard", "csv"],
+              logging_dir="D", output_dir="O")
+  assert cfg.monitor.tensorboard == monitor.TensorBoardConfig(True, "D", "")
+  assert cfg.monitor.csv_monitor == monitor.CSVConfig(True, "D", "")
+  assert not cfg.monitor.wandb.enabled
   # a JSON that turns the monitor off, and a flag that turns it on: an error
   with pytest.raises(ConfigError, match=r"--report_to/--logging_dir "
                      r"\(tensorboard.enabled\) True conflicts with "

@@ -133,6 +133,7 @@ def test_no_monitor_enabled_writes_nothing(tmp_path, monkeypatch):
   assert not engine.monitor.enabled and os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow   # a zero1-train run: ~35 s on a loaded 2-core host
 def test_zero1_train_report_to_writes_tensorboard_and_csv(tmp_path, capsys):
   """--report_to tensorboard csv --logging_dir D: both monitors on, writing
   into D (job_name ''), fp32 so no loss_scale; the loss written is the one
