@@ -72,3 +72,15 @@ def test_help_names_every_model_and_shows_defaults():
                   "Default:./output"):
     assert default in text, default
 
+
+
+def test_report_to_all_is_the_installed_monitors(monkeypatch):
+  """HF's "all": every integration whose package is installed."""
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda n, *a: None if n == "wandb" else real(n, *a))
+  assert train_args.report_sections(["all"]) == (
+      ["tensorboard"] if real("tensorboardX") else [])
+  assert train_args.report_sections(["wandb", "csv"]) == ["wandb", "csv_monitor"]
+  assert train_args.report_sections(["none"]) == []

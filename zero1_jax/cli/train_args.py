@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--no_progress", action="store_true",
                  help="no progress bar (log lines instead)")
   p.add_argument("--report_to", nargs="+", default=None, metavar="NAME",
-                 help="tensorboard, wandb (offline), csv, all or none: turns "
+                 help="tensorboard, wandb (offline), csv, all (those "
+                 "installed) or none: turns "
                  "on the JSON's DeepSpeed monitor section of that name "
                  "(Train/Samples/train_loss, lr, loss_scale per sample "
                  "count). Default: none (metrics.jsonl is always written)")
@@ -180,22 +181,26 @@ def check(args: argparse.Namespace) -> None:
       raise UsageError(f"--{name} {value}: must be {what}")
 
 
-# --report_to names -> DeepSpeed monitor sections ("all": HF's word for
-# every integration installed; here every monitor but csv).
+# --report_to names -> DeepSpeed monitor sections ("all": HF's word for every
+# integration whose package is installed, transformers 5.x
+# integrations/integration_utils.py get_available_reporting_integrations).
 REPORT_TO = {"tensorboard": ("tensorboard",), "wandb": ("wandb",),
              "csv": ("csv_monitor",), "all": ("tensorboard", "wandb"),
              "none": ()}
+_PACKAGE = {"tensorboard": "tensorboardX", "wandb": "wandb"}
 
 
 def report_sections(names) -> list[str]:
   """The monitor sections ``--report_to`` turns on, in order, once each.
 
-  >>> report_sections(["all", "csv"])
-  ['tensorboard', 'wandb', 'csv_monitor']
+  >>> report_sections(["tensorboard", "csv", "tensorboard"])
+  ['tensorboard', 'csv_monitor']
   """
+  import importlib.util
   out: list[str] = []
   for n in names or ():
-    out += [s for s in REPORT_TO[n] if s not in out]
+    out += [s for s in REPORT_TO[n] if s not in out and (
+        n != "all" or importlib.util.find_spec(_PACKAGE[s]) is not None)]
   return out
 
 
