@@ -299,9 +299,12 @@ def test_zero_sizes_and_legacy_forms():
       "zero_optimization.reduce_bucket_size must be an integer")
   err({"train_batch_size": 8, "zero_optimization": {"allgather_bucket_size": -1}},
       "must be >= 0")
-  legacy = base(zero_optimization=True, allgather_size=1e6).zero
+  with pytest.warns(UserWarning, match="this format of ZeRO optimization "
+                    "setup is deprecated"):     # DeepSpeed's words
+    legacy = base(zero_optimization=True, allgather_size=1e6).zero
   assert (legacy.stage, legacy.allgather_bucket_size) == (1, 1_000_000)
-  assert base(zero_optimization=False).zero.stage == 0
+  with pytest.warns(UserWarning, match="deprecated"):
+    assert base(zero_optimization=False).zero.stage == 0
   err({"train_batch_size": 8, "zero_optimization": {"legacy_stage1": True}},
       "not supported in deepspeed >= 0.5.9")
 
