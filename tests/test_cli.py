@@ -137,7 +137,7 @@ def test_own_warnings_are_one_line_each(tmp_path, capsys):
   """A DeepSpeed key zero1_jax cannot honour warns in one line, without
   Python's file:line and source-line noise."""
   cfg = json.load(open(SEED_JSON))
-  cfg.update(train_batch_size=4, tensorboard={"enabled": True})
+  cfg.update(train_batch_size=4, comet={"enabled": True})
   cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
   assert train_cli(tmp_path, cfg, max_steps=1) == 0
   err = capsys.readouterr().err

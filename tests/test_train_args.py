@@ -33,7 +33,8 @@ def usage_error(capsys, *argv) -> str:
     # an HF Trainer command's flags
     (["--warmup_ratio", "0.1"], "use --warmup_steps N"),
     (["--save_strategy", "steps"], "saves every --save_steps N steps"),
-    (["--report_to", "none"], "metrics go to OUTPUT_DIR/metrics.jsonl"),
+    (["--report_to", "mlflow"], "--report_to mlflow: zero1-train reports to "
+     "tensorboard, wandb, csv, all, none (DeepSpeed's monitors)"),
     (["--do_eval"], "does not evaluate"),
     (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
 ])
@@ -71,3 +72,15 @@ def test_help_names_every_model_and_shows_defaults():
                   "Default:./output"):
     assert default in text, default
 
+
+
+def test_report_to_all_is_the_installed_monitors(monkeypatch):
+  """HF's "all": every integration whose package is installed."""
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda n, *a: None if n == "wandb" else real(n, *a))
+  assert train_args.report_sections(["all"]) == (
+      ["tensorboard"] if real("tensorboardX") else [])
+  assert train_args.report_sections(["wandb", "csv"]) == ["wandb", "csv_monitor"]
+  assert train_args.report_sections(["none"]) == []

@@ -52,6 +52,52 @@ def has_auto(node: Any) -> bool:
   return node == "auto"
 
 
+def hf_optimizer(raw: dict, *, flags: dict, max_steps: int) -> str | None:
+  """A JSON without an ``optimizer`` section gets the optimizer the HF Trainer
+  builds then (``trainer.create_optimizer()``: torch AdamW from its
+  arguments), and without a ``scheduler`` section too, the Trainer's default
+  linear schedule (warmup over --warmup_steps, decay to 0 at --max_steps).
+  Edits ``raw``; returns the line saying so, or None with an optimizer.
+  ``flags`` as for :func:`fill`.
+
+  >>> raw = {"train_batch_size": 8}
+  >>> hf_optimizer(raw, flags={"lr": 1e-3}, max_steps=10)[:59]
+  "no 'optimizer' in the JSON: the HF Trainer's AdamW(lr=0.001"
+  >>> raw["scheduler"]
+  {'type': 'HFLinear', 'params': {'num_warmup_steps': 0, 'num_training_steps': 10}}
+  """
+  if raw.get("optimizer") is not None:
+    return None
+  def pick(flag, default):
+    value = flags.get(flag)
+    return (value, True) if value is not None else (HF_DEFAULTS[default], False)
+  lr, lr_given = pick("lr", "learning_rate")
+  wd, _ = pick(WEIGHT_DECAY, "weight_decay")
+  eps, _ = pick(EPS, "adam_epsilon")
+  betas = flags.get(BETAS) or [HF_DEFAULTS["adam_beta1"], HF_DEFAULTS["adam_beta2"]]
+  if wd:
+    raise ValueError(
+        f"--weight_decay {wd} with no 'optimizer' section: the HF Trainer's "
+        "AdamW leaves biases and LayerNorm weights undecayed, which a "
+        "DeepSpeed optimizer section cannot say (it decays every parameter). "
+        "Add an \"optimizer\" section with weight_decay (all parameters), or "
+        "drop --weight_decay")
+  raw["optimizer"] = {"type": "AdamW", "params": {
+      "lr": lr, "betas": list(betas), "eps": eps, "weight_decay": wd}}
+  what = (f"the HF Trainer's AdamW(lr={lr!r}, betas=({betas[0]!r}, "
+          f"{betas[1]!r}), eps={eps!r}, weight_decay={wd!r}) from "
+          f"{'--learning_rate' if lr_given else 'HF default learning_rate'}, "
+          "--adam_beta1/2, --adam_epsilon, --weight_decay (HF defaults where "
+          "not given)")
+  if raw.get("scheduler") is None:
+    warmup = flags.get("warmup_steps") or 0
+    raw["scheduler"] = {"type": "HFLinear", "params": {
+        "num_warmup_steps": warmup, "num_training_steps": max_steps}}
+    what += (f" and its linear schedule (0 to lr over --warmup_steps {warmup}, "
+             f"then down to 0 at --max_steps {max_steps})")
+  return f"no 'optimizer' in the JSON: {what}, as the Trainer builds them"
+
+
 def fill(raw: dict, *, flags: dict, max_steps: int, hidden_size: int) -> list[str]:
   """Replaces the ``"auto"`` values of ``raw`` in place; returns one
   ``key=value (source)`` line per value filled or key dropped.
@@ -121,15 +167,11 @@ def fill(raw: dict, *, flags: dict, max_steps: int, hidden_size: int) -> list[st
     put(sched, "warmup_min_lr", "scheduler.params.warmup_min_lr", 0, "HF: 0")
     put(sched, "warmup_max_lr", "scheduler.params.warmup_max_lr", lr,
         "the optimizer's learning rate")
-    warmup = flags.get("warmup_steps")
-    if sched.get("warmup_num_steps") == "auto" and not warmup:
-      raise ValueError(
-          "scheduler.params.warmup_num_steps is 'auto': the HF Trainer fills it "
-          f"from --warmup_steps ({warmup or 0} here), and DeepSpeed rejects "
-          "0 (warmup_num_steps must be a positive integer). Pass "
-          "--warmup_steps N (N >= 1) or set warmup_num_steps in the JSON")
-    put(sched, "warmup_num_steps", "scheduler.params.warmup_num_steps", warmup,
-        "flag --warmup_steps")
+    # transformers 5.x keeps it positive, as DeepSpeed >= 0.19.6 requires
+    # (integrations/deepspeed.py trainer_config_finalize).
+    warmup = flags.get("warmup_steps") or 0
+    put(sched, "warmup_num_steps", "scheduler.params.warmup_num_steps",
+        max(1, warmup), "HF: max(1, --warmup_steps)")
     put(sched, "total_num_steps", "scheduler.params.total_num_steps", max_steps,
         "--max_steps")
 

@@ -95,7 +95,9 @@ def _setup(args):
       fp16=args.fp16, bf16=args.bf16, warmup_steps=args.warmup_steps,
       gradient_clipping=args.max_grad_norm, adam_beta1=args.adam_beta1,
       adam_beta2=args.adam_beta2, **{hf_auto.WEIGHT_DECAY: args.weight_decay,
-                                     hf_auto.EPS: args.adam_epsilon}),
+                                     hf_auto.EPS: args.adam_epsilon},
+      report_to=args.report_to, logging_dir=args.logging_dir,
+      output_dir=args.output_dir),
       max_steps=args.max_steps,
       hidden_size=lambda: bert.make_config(
           args.model_name_or_path, vocab_size=data.VOCAB_SIZE,

@@ -34,9 +34,6 @@ _INSTEAD = {
                       "max_steps))",
     "--save_strategy": "zero1-train saves every --save_steps N steps (HF's "
                        "'steps'); --save_steps 0 saves none",
-    "--report_to": "metrics go to OUTPUT_DIR/metrics.jsonl and its plots: drop "
-                   "--report_to",
-    "--logging_dir": "logs and plots go to --output_dir: drop --logging_dir",
     "--do_eval": "zero1-train does not evaluate: drop --do_eval",
     "--eval_strategy": "zero1-train does not evaluate: drop it",
     "--evaluation_strategy": "zero1-train does not evaluate: drop it",
@@ -111,6 +108,16 @@ def _parser() -> argparse.ArgumentParser:
                  f"steps_per_print, else {DEFAULT_LOGGING_STEPS}")
   p.add_argument("--no_progress", action="store_true",
                  help="no progress bar (log lines instead)")
+  p.add_argument("--report_to", nargs="+", default=None, metavar="NAME",
+                 help="tensorboard, wandb (offline), csv, all (those "
+                 "installed) or none: turns "
+                 "on the JSON's DeepSpeed monitor section of that name "
+                 "(Train/Samples/train_loss, lr, loss_scale per sample "
+                 "count). Default: none (metrics.jsonl is always written)")
+  p.add_argument("--logging_dir", default=None, help="where --report_to "
+                 "tensorboard / csv write (sets the section's output_path; "
+                 "job_name ''). Default: OUTPUT_DIR/runs/<time>_<host>, "
+                 "the HF Trainer's")
   c = p.add_argument_group("checkpoints (orbax)")
   c.add_argument("--save_steps", type=int, default=0, help="save every K "
                  "optimizer steps (and at the end) to OUTPUT_DIR/checkpoints. "
@@ -163,11 +170,38 @@ def check(args: argparse.Namespace) -> None:
               "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
               "train_batch_size": 1, "warmup_steps": 0, "heartbeat_timeout": 1,
               "process_id": 0}
+  bad = sorted(set(args.report_to or ()) - set(REPORT_TO))
+  if bad:
+    raise UsageError(f"--report_to {' '.join(bad)}: zero1-train reports to "
+                     f"{', '.join(REPORT_TO)} (DeepSpeed's monitors)")
   for name, low in at_least.items():
     value = getattr(args, name)
     if value is not None and value < low:
       what = "0 or more" if low == 0 else f"at least {low}"
       raise UsageError(f"--{name} {value}: must be {what}")
+
+
+# --report_to names -> DeepSpeed monitor sections ("all": HF's word for every
+# integration whose package is installed, transformers 5.x
+# integrations/integration_utils.py get_available_reporting_integrations).
+REPORT_TO = {"tensorboard": ("tensorboard",), "wandb": ("wandb",),
+             "csv": ("csv_monitor",), "all": ("tensorboard", "wandb"),
+             "none": ()}
+_PACKAGE = {"tensorboard": "tensorboardX", "wandb": "wandb"}
+
+
+def report_sections(names) -> list[str]:
+  """The monitor sections ``--report_to`` turns on, in order, once each.
+
+  >>> report_sections(["tensorboard", "csv", "tensorboard"])
+  ['tensorboard', 'csv_monitor']
+  """
+  import importlib.util
+  out: list[str] = []
+  for n in names or ():
+    out += [s for s in REPORT_TO[n] if s not in out and (
+        n != "all" or importlib.util.find_spec(_PACKAGE[s]) is not None)]
+  return out
 
 
 def logging_interval(args: argparse.Namespace, steps_per_print: int | None) -> int:

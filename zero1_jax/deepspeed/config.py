@@ -18,10 +18,10 @@ import math
 import os
 from typing import Mapping
 
-from zero1_jax.deepspeed import keys, optim
+from zero1_jax.deepspeed import keys, monitor, offload, optim
 from zero1_jax.deepspeed import log as ds_log
 from zero1_jax.deepspeed.schema import (BF16Config, ConfigError, FP16Config,
-                                        NotHonouredWarning,
+                                        NotHonouredWarning, UnknownKeyWarning,
                                         OptimizerConfig, SchedulerConfig,
                                         ZeroConfig, as_bool, as_float, as_int,
                                         inactive)
@@ -46,6 +46,7 @@ class DeepSpeedConfig:
   steps_per_print: int | None = None
   zero_allow_untested_optimizer: bool = False
   communication_data_type: str | None = None  # "fp16" | "bf16" | "fp32"
+  monitor: monitor.MonitorConfig = monitor.MonitorConfig()
   raw: dict = dataclasses.field(default_factory=dict, repr=False,
                                 compare=False)  # the dict as given
   source: str | None = dataclasses.field(default=None, compare=False)
@@ -121,8 +122,26 @@ def _unknown(key: str, section: str, known) -> ConfigError:
   return ConfigError(f"unknown key '{key}' in section '{section}'{hint}")
 
 
+def _unknown_top(key: str) -> str:
+  close = difflib.get_close_matches(key, sorted(keys.TOP_LEVEL), n=1,
+                                    cutoff=0.6)
+  hint = f" (did you mean '{close[0]}'?)" if close else ""
+  return (f"unknown top-level key '{key}'{hint} ignored: DeepSpeed 0.19 ignores "
+          "top-level keys it does not know, and so does zero1_jax")
+
+
 _NOTED: set[str] = set()   # info lines already logged in this process
-_PENDING: list[str] = []   # notes of the config being built: logged once valid
+# What the config being built has to say: (key, message, warning category or
+# None for an INFO line), said only once the whole config is valid.
+_PENDING: list[tuple[str, str, type | None]] = []
+
+
+def _shown(path: str, value) -> str:
+  """``key=value``; a section by its name alone (not its nested dict)."""
+  if isinstance(value, Mapping):
+    on = " (enabled)" if value.get("enabled") is True else ""
+    return f"section '{path}'{on}"
+  return f"{path}={value!r}"
 
 
 def _note(path: str, value) -> None:
@@ -132,11 +151,23 @@ def _note(path: str, value) -> None:
     if inactive(value):   # switched off: nothing asked for, nothing to say
       return
     key = f"{path}={value!r}"
+    text = keys.MESSAGES.get(path) or f"{_shown(path, value)} has no effect: {reason}"
     if key not in _NOTED:     # once per process, not once per re-validation
-      _PENDING.append(f"{key} has no effect: {reason}")
+      _PENDING.append((key, text, None))
   else:
-    ds_log.warn(f"{path}={value!r} is recognised but not honoured by "
-                f"zero1_jax: {reason}", NotHonouredWarning)
+    _PENDING.append(("", f"{_shown(path, value)} is recognised but not "
+                     f"honoured by zero1_jax: {reason}", NotHonouredWarning))
+
+
+def _say_pending() -> None:
+  """The notes and warnings of a config that turned out valid."""
+  for key, text, category in _PENDING:
+    if category is not None:
+      ds_log.warn(text, category)
+    elif key not in _NOTED:
+      _NOTED.add(key)
+      logger.info("%s", text)
+  _PENDING.clear()
 
 
 def _section(raw: Mapping, key: str, cls) -> dict:
@@ -154,8 +185,8 @@ def _section(raw: Mapping, key: str, cls) -> dict:
     if k not in fields and k not in notes:
       raise _unknown(k, key, set(fields) | notes)
     if v == "auto":  # DeepSpeedConfigModel drops "auto": the default applies
-      logger.info("%s='auto' dropped; DeepSpeed's default applies",
-                  path)
+      _PENDING.append((f"{path}='auto'", f"{path}='auto' dropped; "
+                       "DeepSpeed's default applies", None))
       continue
     if k in fields:
       dflt = fields[k]
@@ -170,8 +201,8 @@ def _section(raw: Mapping, key: str, cls) -> dict:
 def _parse_zero(raw: Mapping) -> ZeroConfig:
   d = raw.get("zero_optimization")
   if isinstance(d, bool):  # deprecated form (zero/config.py)
-    logger.warning("DeepSpeedConfig: this format of ZeRO optimization setup is "
-                   "deprecated; use {\"stage\": N}")
+    _PENDING.append(("", "DeepSpeedConfig: this format of ZeRO optimization "
+                     "setup is deprecated; use {\"stage\": N}", UserWarning))
     d = {"stage": int(d)}
     if d["stage"]:
       d["allgather_bucket_size"] = raw.get("allgather_size", 5e8)
@@ -181,6 +212,10 @@ def _parse_zero(raw: Mapping) -> ZeroConfig:
                       "of ZeRO Stage 1 is not supported in deepspeed >= 0.5.9")
   vals = _section(raw, "zero_optimization", ZeroConfig)
   stage = vals.get("stage", 0)
+  if isinstance(d, Mapping):   # DeepSpeed's pydantic checks come first
+    for k in ("offload_optimizer", "offload_param"):
+      if d.get(k) != "auto":
+        offload.check(k, d.get(k), stage)
   if stage not in (0, 1, 2):
     raise ConfigError(
         f"zero_optimization.stage={stage} is not supported: zero1_jax "
@@ -271,8 +306,8 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
     raise ConfigError(removed)
   for k, v in raw.items():
     if k not in keys.TOP_LEVEL:
-      raise _unknown(k, "<top level>", keys.TOP_LEVEL)
-    if v == "auto":
+      _PENDING.append(("", _unknown_top(k), UnknownKeyWarning))
+    elif v == "auto" and k not in monitor.SECTIONS:  # those: dropped
       raise ConfigError(f"{k}='auto' must be filled in before loading (the HF "
                         "Trainer does that, DeepSpeed does not)")
   if world_size is None:
@@ -310,17 +345,15 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
       zero_allow_untested_optimizer=as_bool(
           "zero_allow_untested_optimizer",
           raw.get("zero_allow_untested_optimizer", False)),
-      communication_data_type=comm, raw=raw, source=source)
+      communication_data_type=comm, monitor=monitor.parse(raw), raw=raw,
+      source=source)
   if not zero.compute_grad_norm and cfg.gradient_clipping > 0:
     raise ConfigError("zero_optimization.compute_grad_norm=false requires "
                       "gradient_clipping=0 (DeepSpeed 0.19 clips by 1.0 when "
                       "the key is absent: set \"gradient_clipping\": 0)")
   optim.check(cfg.optimizer, cfg.scheduler, zero_stage=cfg.zero.stage,
               allow_untested=cfg.zero_allow_untested_optimizer)
-  for note in _PENDING:       # only a valid config's notes, after its errors
-    _NOTED.add(note.split(" has no effect")[0])
-    logger.info("%s", note)
-  _PENDING.clear()
+  _say_pending()       # only a valid config's notes, after its errors
   return cfg
 
 

@@ -28,6 +28,7 @@ from zero1_jax.deepspeed import config as zconfig
 from zero1_jax import checkpoint, distributed, inspect
 from zero1_jax.deepspeed import ds_names
 from zero1_jax.deepspeed import log as ds_log
+from zero1_jax.deepspeed import monitor as ds_monitor
 from zero1_jax.deepspeed import optim as ds_optim
 from zero1_jax.deepspeed import resume
 from zero1_jax.deepspeed import schedules
@@ -135,6 +136,9 @@ class Engine:
         self.tx, params, mesh, param_dtype=compute_dtype(config))
     self.global_steps = 0
     self.skipped_steps = 0
+    # DeepSpeed's monitors' x-axis: samples trained (runtime/engine.py)
+    self.global_samples = 0
+    self.monitor = ds_monitor.Monitors(config.monitor, jax.process_index())
     # DeepSpeed's step line every steps_per_print steps; None (0.19.8's
     # default, runtime/constants.py:46): no line
     self.steps_per_print: int | None = config.steps_per_print
@@ -190,6 +194,9 @@ class Engine:
     self.params, self.opt_state, metrics = self._step(
         self.params, self.opt_state, batch)
     self.global_steps += 1
+    self.global_samples += self.config.train_batch_size
+    if self.monitor.enabled:
+      self._write_monitor(metrics)
     if bool(metrics["skipped"]):
       self.skipped_steps += 1
       if due and float(metrics["loss_scale"]) <= float(f.min_loss_scale):
@@ -205,6 +212,16 @@ class Engine:
                   self.global_steps, self.skipped_steps, self.get_lr(),
                   float(metrics["loss"]))
     return metrics
+
+  def _write_monitor(self, metrics) -> None:
+    """DeepSpeed's events after a step (runtime/pipe/engine.py train_batch,
+    runtime/engine.py step): the loss, the next update's lr, fp16's scale."""
+    n = self.global_samples
+    events = [("Train/Samples/train_loss", float(metrics["loss"]), n)]
+    events += [("Train/Samples/lr", lr, n) for lr in self.get_lr()[:1]]
+    if self.config.fp16.enabled:
+      events.append(("Train/Samples/loss_scale", self.loss_scale, n))
+    self.monitor.write_events(events)
 
   # -- checkpoints (orbax; see zero1_jax.checkpoint) -------------------------
 
@@ -246,6 +263,7 @@ class Engine:
     step = self.global_steps if tag is None else int(tag)
     extra = {"global_steps": self.global_steps,
              "skipped_steps": self.skipped_steps,
+             "global_samples": self.global_samples,
              **(client_state if client_state is not None else extra or {})}
     self._checkpointer(save_dir, max_to_keep, saving=True).save(
         step, self.params, self.opt_state, extra=extra,
@@ -289,6 +307,8 @@ class Engine:
       raise checkpoint.CheckpointMismatchError(f"{e}. {hint}") from None
     self.global_steps = int(extra.get("global_steps", 0))
     self.skipped_steps = int(extra.get("skipped_steps", 0))
+    self.global_samples = int(extra.get(
+        "global_samples", self.global_steps * self.config.train_batch_size))
     return os.path.join(ckpt.directory, str(ckpt.restored_step)), extra
 
   def wait_checkpoints(self) -> None:

@@ -13,13 +13,19 @@ from typing import Any
 
 ANY, DICT = object(), object()
 _XLA = "XLA schedules, fuses and overlaps collectives itself"
-_OVERLAP = ("XLA schedules collectives itself; its latency-hiding scheduler "
-            "overlaps them on GPU: zero1-train turns it on when this is true, "
-            "your own program sets XLA_FLAGS="
-            "--xla_gpu_enable_latency_hiding_scheduler=true before jax starts")
+# overlap_comm=true: the whole line (MESSAGES), not "has no effect".
+OVERLAP_ON = (
+    "zero_optimization.overlap_comm=True: what overlaps is XLA's choice, not "
+    "zero1_jax's. On GPU, XLA's latency-hiding scheduler overlaps the gradient "
+    "reduce-scatter with the backward: zero1-train turns it on for this "
+    "config; in your own program set XLA_FLAGS="
+    "--xla_gpu_enable_latency_hiding_scheduler=true before jax is imported. "
+    "On CPU nothing changes")
 _TORCH = "PyTorch/CUDA-specific; no equivalent under JAX/XLA"
 _S3 = "only used by ZeRO stage 3"
 _OFF = "no CPU/NVMe offload under XLA"
+_OFF_OPT = ("optimizer offload to host memory is not implemented yet: the "
+            "optimizer state and fp32 master stay on the devices")
 _MON = "DeepSpeed monitoring backend; use jax.profiler / your own logger"
 _NI = "feature not implemented by zero1_jax"
 _PROF = "DeepSpeed timers/profiler; use jax.profiler"
@@ -42,8 +48,8 @@ NOTES: dict[str, tuple[Any, str]] = {
     "data_types": (DICT, "gradients accumulate in their own dtype"),
     "activation_checkpointing": (DICT, "use jax.checkpoint in the model"),
     "torch_autocast": (DICT, _TORCH),
-    **{k: (DICT, _MON) for k in ("tensorboard", "wandb", "csv_monitor",
-                                  "comet", "comms_logger")},
+    # tensorboard, csv_monitor, wandb: honoured (monitor.py)
+    **{k: (DICT, _MON) for k in ("comet", "comms_logger")},
     **{k: (DICT, _NI) for k in (
         "hybrid_engine", "autotuning", "data_efficiency", "pipeline",
         "tensor_parallel", "expert_parallel", "weight_quantization",
@@ -62,7 +68,7 @@ NOTES: dict[str, tuple[Any, str]] = {
     "bf16.immediate_grad_update": (ANY, "the update is one XLA program"),
     **{"bf16." + k: (False, "bf16 keeps fp32 master weights and state")
        for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")},
-    "zero_optimization.overlap_comm": (ANY, _OVERLAP),
+    "zero_optimization.overlap_comm": (ANY, OVERLAP_ON),
     "zero_optimization.contiguous_gradients": (ANY, "XLA owns buffer layout"),
     "zero_optimization.allgather_partitions": (ANY, "parameters are always "
                                                "all-gathered, never broadcast"),
@@ -94,9 +100,10 @@ NOTES: dict[str, tuple[Any, str]] = {
         "allgather_sequential", "save_muon_momentum_buffer_in_memory",
         "leaf_module")},
     **{"zero_optimization." + k: (v, _OFF) for k, v in (
-        ("offload_optimizer", DICT), ("offload_param", DICT),
-        ("cpu_offload", False), ("cpu_offload_param", False),
+        ("offload_param", DICT), ("cpu_offload_param", False),
         ("cpu_offload_use_pin_memory", ANY))},
+    **{"zero_optimization." + k: (v, _OFF_OPT) for k, v in (
+        ("offload_optimizer", DICT), ("cpu_offload", False))},
     **{"zero_optimization." + k: (v, "ZeRO++ / MiCS / ZenFlow: " + _NI)
        for k, v in (("zero_hpz_partition_size", 1),
                     ("zero_quantized_weights", False),
@@ -109,7 +116,10 @@ TOP_LEVEL = {"train_batch_size", "train_micro_batch_size_per_gpu",
              "gradient_clipping", "fp16", "bf16", "bfloat16",
              "zero_optimization", "optimizer", "scheduler",
              "zero_allow_untested_optimizer", "communication_data_type",
-             "sequence_parallel_size"} | {k for k in NOTES if "." not in k}
+             "sequence_parallel_size", "tensorboard", "csv_monitor", "wandb"
+             } | {k for k in NOTES if "." not in k}
+# Keys whose INFO line is a sentence of its own, not "<key> has no effect".
+MESSAGES = {"zero_optimization.overlap_comm": OVERLAP_ON}
 # Lower bounds DeepSpeed enforces whatever else the config says. fp16's
 # loss_scale_window / min_loss_scale / hysteresis are checked only when
 # dynamic fp16 is on (config.py, as runtime/precision_config.py does).

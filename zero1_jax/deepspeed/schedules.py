@@ -26,6 +26,7 @@ from zero1_jax.deepspeed.schema import (ConfigError, NotHonouredWarning,
 
 logger = logging.getLogger("zero1_jax")
 
+HF_LINEAR = "HFLinear"
 SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
                         "OneCycle", "LRRangeTest")
 _REQ = object()
@@ -46,9 +47,15 @@ PARAMS = {
     "LRRangeTest": dict(lr_range_test_min_lr=1e-3, lr_range_test_step_size=2000,
                         lr_range_test_step_rate=1.0,
                         lr_range_test_staircase=False),
+    # Not DeepSpeed's: the HF Trainer's default schedule (transformers
+    # optimization.py get_linear_schedule_with_warmup), which zero1-train
+    # writes when the JSON has neither optimizer nor scheduler, as the
+    # Trainer then builds its own (integrations/deepspeed.py).
+    HF_LINEAR: dict(num_warmup_steps=0, num_training_steps=_REQ),
 }
 # DeepSpeed checks warmup_num_steps is an int; stairs are counted with floor().
 _INT_PARAMS = {"warmup_num_steps", "cycle_first_stair_count",
+               "num_warmup_steps", "num_training_steps",
                "cycle_second_stair_count", "lr_range_test_step_size"}
 
 
@@ -103,6 +110,10 @@ def resolve_scheduler(sched: SchedulerConfig, quiet: bool = True) -> dict:
         and out["cycle_second_step_size"] < 0):
       raise ConfigError("cycle_second_step_size must be non-negative, got "
                         f"{out['cycle_second_step_size']}")
+  if sched.type == HF_LINEAR and (out["num_warmup_steps"] < 0
+                                  or out["num_training_steps"] < 1):
+    raise ConfigError("HFLinear needs num_warmup_steps >= 0 and "
+                      f"num_training_steps >= 1, got {out}")
   if sched.type == "LRRangeTest":
     size = out["lr_range_test_step_size"]
     if size <= 0:
@@ -173,6 +184,10 @@ def build_schedule(sched: SchedulerConfig | None, base_lr: float):
       cos = jnp.maximum(0.0, cmin + (1.0 - cmin) * 0.5 * (
           1.0 + jnp.cos(math.pi * prog)))
       return base_lr * jnp.where(i < 0, 0.0, jnp.where(i < w, warm, cos))
+    if kind == HF_LINEAR:   # LambdaLR: update c uses lr_lambda(c)
+      w, t = p["num_warmup_steps"], p["num_training_steps"]
+      return base_lr * jnp.where(c < w, c / max(1, w), jnp.maximum(
+          0.0, (t - c) / max(1, t - w)))
     if kind == "OneCycle":
       lo, hi = p["cycle_min_lr"], p["cycle_max_lr"]
       scale, total = _onecycle_scale(c, p)

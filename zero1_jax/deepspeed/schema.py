@@ -21,6 +21,10 @@ class NotHonouredWarning(UserWarning):
   """A DeepSpeed key or value zero1_jax recognises but cannot honour."""
 
 
+class UnknownKeyWarning(UserWarning):
+  """A top-level key neither DeepSpeed 0.19 nor zero1_jax knows (ignored)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class FP16Config:
   """`fp16`, defaults from deepspeed/runtime/precision_config.py."""
