@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-newest newest-py demo bench clean
+.PHONY: venv test test-slow test-all test-newest newest-py demo bench clean tolerances
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,8 +16,19 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+
+# The fast suite: everything but the tests marked slow (multi-process jobs,
+# real launchers, kill -9 / Ctrl-C of running jobs, the benchmark's own run).
 test: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests zero1_jax --doctest-modules
+	$(PYTEST) -m "not slow" tests zero1_jax --doctest-modules
+
+# The slow ones; CI runs both (.ci/run).
+test-slow: venv
+	$(PYTEST) -m slow tests
+
+# Both, as CI does.
+test-all: test test-slow
 
 DEMO_STEPS ?= 300
 
@@ -55,3 +66,8 @@ clean:
 # Plant known bugs one at a time and show the tests catch each (experiments/mutate.py).
 mutate: venv
 	$(BIN)/python -m experiments.mutate
+
+# Numerical tests under other XLA:CPU code (AVX2, AVX, fast-math): the worst
+# error each bound saw, into docs/tolerances.md (experiments/tolerance_sweep.py).
+tolerances: venv
+	$(BIN)/python -m experiments.tolerance_sweep --out docs/tolerances.md

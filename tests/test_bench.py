@@ -43,6 +43,7 @@ def result(tmp_path_factory):
   del bench.SIZES["test"]
 
 
+@pytest.mark.slow   # the tiny benchmark run (the `result` fixture): ~70 s
 def test_state_bytes_match_theory(result):
   res, _ = result
   rows = res["state"]
@@ -71,6 +72,7 @@ def test_state_bytes_match_theory(result):
   assert z["state_master_bytes"] == (4 * psi + z["sharded_state_bytes"])
 
 
+@pytest.mark.slow   # the tiny benchmark run (the `result` fixture): ~70 s
 def test_collectives_follow_theory(result):
   res, _ = result
   coll = {r["method"]: r for r in res["collectives"]}
@@ -83,6 +85,7 @@ def test_collectives_follow_theory(result):
     assert coll[m]["ratio"] == pytest.approx(1.0, rel=0.01)
 
 
+@pytest.mark.slow   # the tiny benchmark run (the `result` fixture): ~70 s
 def test_memory_rows_and_donation(result):
   res, _ = result
   mem = {r["method"]: r for r in res["memory"]}
@@ -93,6 +96,7 @@ def test_memory_rows_and_donation(result):
   assert mem["zero1_rs"]["argument"] < mem["ddp"]["argument"]
 
 
+@pytest.mark.slow   # the tiny benchmark run (the `result` fixture): ~70 s
 def test_speed_buckets_targets_and_outputs(result):
   res, out = result
   (sp,) = res["speed"]
@@ -112,6 +116,7 @@ def test_speed_buckets_targets_and_outputs(result):
   assert "| zero1_rs |" in bench.tables(res)
 
 
+@pytest.mark.slow   # the tiny benchmark run (the `result` fixture): ~70 s
 def test_overhead_section_measures_above_the_floor(result):
   """The floor communicates nothing and writes less than DDP; the report
   carries the overhead targets. (That in place writes less than packed is
