@@ -48,6 +48,7 @@ import optax
 
 from zero1_jax.core import jaxpr_check as jc
 from zero1_jax.core import layout as lay
+from zero1_jax.core import verdicts
 from zero1_jax.core.size_check import size_reason
 
 REFUSAL = (
@@ -378,10 +379,14 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
   """
   inner = getattr(inner, "inner", inner)   # a Zero1Transformation: its inner
   layout = lay.plan(params, max(int(num_shards), 2))
-  why = jaxpr_reason(inner, layout, dtype)
-  if not why:
-    owners = state_shard_dims(inner, layout, dtype)[3]
-    why = (size_reason(inner, layout, dtype, owners)
-           or probe_reason(inner, layout, dtype))
+  key = verdicts.key(inner, layout, dtype)   # an equal check before: its verdict
+  found, why = verdicts.remembered(key)
+  if not found:
+    why = jaxpr_reason(inner, layout, dtype)
+    if not why:
+      owners = state_shard_dims(inner, layout, dtype)[3]
+      why = (size_reason(inner, layout, dtype, owners)
+             or probe_reason(inner, layout, dtype))
+    verdicts.remember(key, why)
   if why:
     raise Refused(why)

@@ -1,0 +1,100 @@
+"""The elementwise check remembers its verdict by what it depends on
+(core/verdicts.py): an equal optimizer on an equal layout is not checked
+twice in a process, and anything that could change the verdict changes the
+key."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from zero1_jax.core import elementwise as ew
+from zero1_jax.core import layout as lay
+from zero1_jax.core import verdicts
+
+PARAMS = {"kernel": jnp.zeros((64, 32)), "bias": jnp.zeros((32,))}
+THRESHOLD = 1   # read by by_global_threshold below
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+  verdicts.forget()
+  yield
+  verdicts.forget()
+
+
+def decay_if_larger_than(n):
+  return optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.size >= n, p))
+
+
+def by_global_threshold():
+  return optax.adamw(1e-3, mask=lambda p: jax.tree.map(
+      lambda x: x.size >= THRESHOLD, p))
+
+
+def checks(monkeypatch):
+  """Counts the traced checks that actually run."""
+  ran = []
+  real = ew.jaxpr_reason
+  monkeypatch.setattr(ew, "jaxpr_reason", lambda *a: ran.append(1) or real(*a))
+  return ran
+
+
+def test_an_equal_optimizer_is_checked_once(monkeypatch):
+  ran = checks(monkeypatch)
+  for _ in range(3):   # three separate constructions, as in three z1.init calls
+    ew.check_elementwise(optax.adamw(1e-3, weight_decay=0.01), PARAMS, 4)
+  assert len(ran) == 1
+  ew.check_elementwise(optax.adamw(1e-3, weight_decay=0.01), PARAMS, 8)
+  ew.check_elementwise(optax.adamw(1e-3, weight_decay=0.01),
+                       {**PARAMS, "bias": jnp.zeros((33,))}, 4)
+  assert len(ran) == 3   # another N, another shape: checked again
+
+
+def test_a_refusal_is_remembered_with_its_reason(monkeypatch):
+  ran = checks(monkeypatch)
+  msgs = []
+  for _ in range(2):
+    with pytest.raises(ew.Refused) as e:
+      ew.check_elementwise(optax.lamb(1e-3), PARAMS, 4)
+    msgs.append(str(e.value))
+  assert len(ran) == 1 and msgs[0] == msgs[1]
+
+
+def test_a_value_closed_over_changes_the_key():
+  """A size-deciding mask: threshold 1 decays every leaf (elementwise);
+  1000 decays the 2048-element kernel but not its 512-element shards at N=4
+  (refused). A key blind to closures would hand the second the first's
+  acceptance."""
+  ew.check_elementwise(decay_if_larger_than(1), PARAMS, 4)
+  with pytest.raises(ew.Refused):
+    ew.check_elementwise(decay_if_larger_than(1000), PARAMS, 4)
+  layout = lay.plan(PARAMS, 4)
+  assert verdicts.key(optax.adam(1e-3), layout) != verdicts.key(optax.adam(2e-3), layout)
+  assert verdicts.key(optax.adam(1e-3), layout) != verdicts.key(optax.adamw(1e-3), layout)
+
+
+def test_a_module_constant_the_code_reads_changes_the_key():
+  global THRESHOLD
+  ew.check_elementwise(by_global_threshold(), PARAMS, 4)
+  THRESHOLD = 1000
+  try:
+    with pytest.raises(ew.Refused):
+      ew.check_elementwise(by_global_threshold(), PARAMS, 4)
+  finally:
+    THRESHOLD = 1
+
+
+def test_what_a_value_cannot_pin_down_is_checked_every_time(monkeypatch):
+  """A callable object of the user's own class: its behaviour is not its
+  value, so no key, and the check runs each time."""
+
+  class Schedule:
+    def __call__(self, count):
+      return 1e-3
+
+  assert verdicts.key(optax.adam(Schedule())) is None
+  ran = checks(monkeypatch)
+  for _ in range(2):
+    ew.check_elementwise(optax.adam(Schedule()), PARAMS, 4)
+  assert len(ran) == 2

@@ -1,0 +1,167 @@
+"""The elementwise check's verdicts, remembered by what they depend on.
+
+:func:`.elementwise.check_elementwise` traces and runs the inner optimizer
+on the parameters' shapes (whole, as shards, and a small probe): seconds on
+a real model, at every ``z1.init`` / ``tx.init``. Its verdict is a function
+of the optimizer's computation and of the layout, nothing else, so a second
+check of an equal optimizer on an equal layout in the same process returns
+the first verdict.
+
+"Equal optimizer" is decided from what defines an optax transformation: the
+code of its ``init`` and ``update`` functions and every value they close
+over (hyperparameters, schedules, masks, nested transformations), followed
+recursively. Where a closure holds something whose behaviour its value
+does not pin down (an object of an unknown class, a tracer, a jitted
+function), there is no key and the check runs as before: a miss costs the
+check, never a wrong verdict.
+
+Example:
+  >>> import optax
+  >>> key(optax.adam(1e-3)) == key(optax.adam(1e-3))
+  True
+  >>> key(optax.adam(1e-3)) == key(optax.adam(2e-3))
+  False
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import types
+from typing import Any, Hashable
+
+import numpy as np
+
+_VERDICTS: dict[Hashable, str | None] = {}
+_MAX = 256   # distinct (optimizer, layout) pairs kept per process
+
+
+class _NoKey(Exception):
+  """Something in the closure whose value does not define its behaviour."""
+
+
+def _code(c: types.CodeType, seen: set[int]) -> Hashable:
+  consts = tuple(_code(k, seen) if isinstance(k, types.CodeType) else _fp(k, seen)
+                 for k in c.co_consts)
+  return ("code", c.co_filename, c.co_qualname if hasattr(c, "co_qualname")
+          else c.co_name, c.co_firstlineno, c.co_code, consts, c.co_names)
+
+
+def _globals(fn: types.FunctionType, seen: set[int]) -> Hashable:
+  """The data globals ``fn``'s code reads (a module-level constant changed
+  between two checks changes the key); modules, classes and functions
+  there are named by their code or qualified name."""
+  out = []
+  names = set(fn.__code__.co_names)
+  for k in fn.__code__.co_consts:
+    if isinstance(k, types.CodeType):
+      names |= set(k.co_names)
+  for name in sorted(names):
+    if name in fn.__globals__:
+      v = fn.__globals__[name]
+      if isinstance(v, types.FunctionType) and not _library(v):
+        out.append((name, _fp(v, seen)))    # the user's own function: its code
+      elif isinstance(v, (types.ModuleType, type)) or callable(v):
+        out.append((name, getattr(v, "__module__", None),
+                    getattr(v, "__qualname__", getattr(v, "__name__", None))))
+      else:
+        out.append((name, _fp(v, seen)))
+  return tuple(out)
+
+
+def _fp(x: Any, seen: set[int]) -> Hashable:
+  if x is None or isinstance(x, (bool, int, str, bytes)):
+    return (type(x).__name__, x)
+  if isinstance(x, (float, complex)):
+    return (type(x).__name__, repr(x))
+  if isinstance(x, enum.Enum):
+    return ("enum", type(x).__qualname__, x.name)
+  if isinstance(x, (np.dtype, type)) and not isinstance(x, types.FunctionType):
+    if isinstance(x, type):
+      return ("type", x.__module__, x.__qualname__)
+    return ("dtype", str(x))
+  if isinstance(x, np.generic):
+    return ("np", str(x.dtype), x.tobytes())
+  if id(x) in seen:
+    return ("cycle",)
+  seen = seen | {id(x)}
+  if isinstance(x, (tuple, list)):
+    return (type(x).__qualname__, tuple(_fp(v, seen) for v in x))
+  if isinstance(x, dict):
+    return ("dict", tuple(sorted(((repr(k), _fp(v, seen)) for k, v in x.items()),
+                                 key=lambda kv: kv[0])))
+  if isinstance(x, functools.partial):
+    return ("partial", _fp(x.func, seen), _fp(x.args, seen), _fp(x.keywords, seen))
+  if isinstance(x, types.FunctionType):
+    cells = tuple(_fp(c.cell_contents, seen) if _filled(c) else ("empty",)
+                  for c in (x.__closure__ or ()))
+    return ("fn", _code(x.__code__, seen), _fp(x.__defaults__, seen),
+            _fp(x.__kwdefaults__, seen), cells, _globals(x, seen))
+  if isinstance(x, types.BuiltinFunctionType):
+    return ("builtin", getattr(x, "__module__", None), x.__qualname__)
+  if isinstance(x, types.MethodType):
+    return ("method", _fp(x.__func__, seen), _fp(x.__self__, seen))
+  if isinstance(x, types.ModuleType):
+    return ("module", x.__name__)
+  if type(x).__name__ == "PyTreeDef":
+    return ("treedef", str(x))
+  if isinstance(x, np.ndarray) or _is_concrete_jax_array(x):
+    a = np.asarray(x)
+    return ("array", str(a.dtype), a.shape, hashlib.sha256(a.tobytes()).hexdigest())
+  if _library(type(x)) and hasattr(x, "__dict__"):   # e.g. optax.MultiSteps
+    return ("obj", _fp(type(x), seen), _fp(vars(x), seen))
+  raise _NoKey(type(x).__qualname__)
+
+
+_LIBRARIES = ("jax", "jaxlib", "optax", "numpy", "flax", "zero1_jax",
+              "functools", "builtins", "math", "chex")
+
+
+def _library(fn) -> bool:
+  return (getattr(fn, "__module__", None) or "").split(".")[0] in _LIBRARIES
+
+
+def _filled(cell) -> bool:
+  try:
+    cell.cell_contents
+  except ValueError:
+    return False
+  return True
+
+
+def _is_concrete_jax_array(x) -> bool:
+  import jax
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+def key(inner: Any, layout: Any = None, dtype: Any = None) -> Hashable | None:
+  """What the elementwise verdict on ``inner`` (an optax transformation)
+  over ``layout`` in ``dtype`` depends on, or None where that cannot be
+  told from values (then nothing is remembered)."""
+  try:
+    return (_fp(type(inner), set()), _fp(inner.init, set()),
+            _fp(inner.update, set()), _fp(layout, set()),
+            None if dtype is None else str(np.dtype(dtype)))
+  except (_NoKey, RecursionError, TypeError, AttributeError):
+    return None
+
+
+def remembered(k: Hashable | None) -> tuple[bool, str | None]:
+  """``(found, verdict)``: the reason of a refusal, None for accepted."""
+  if k is None or k not in _VERDICTS:
+    return False, None
+  return True, _VERDICTS[k]
+
+
+def remember(k: Hashable | None, why: str | None) -> None:
+  if k is None:
+    return
+  if len(_VERDICTS) >= _MAX:
+    _VERDICTS.pop(next(iter(_VERDICTS)))
+  _VERDICTS[k] = why
+
+
+def forget() -> None:
+  """Drops every remembered verdict (tests that change the check itself)."""
+  _VERDICTS.clear()
