@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import zero1_jax as z1
 import zero1_jax.flax as z1flax
 from helpers import assert_close, mesh
+from tolerances import FP32_REORDER
 
 N = 4
 
@@ -58,7 +59,7 @@ def test_linen_train_state_matches_flax_train_state():
   for b in batches():
     state = step(state, jax.device_put(b, NamedSharding(mesh(N), P("data"))))
   assert int(state.step) == int(ref.step) == 6
-  assert_close(state.params, ref.params, 1e-6, "linen ")
+  assert_close(state.params, ref.params, FP32_REORDER, "linen ")
 
 
 class NnxMLP(nnx.Module):
@@ -96,7 +97,7 @@ def test_nnx_trainer_matches_nnx_optimizer():
   trainer.update_model(model)
   got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   want = nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))
-  assert_close(got, want, 1e-6, "nnx ")
+  assert_close(got, want, FP32_REORDER, "nnx ")
   b = batches(1)[0]
   np.testing.assert_allclose(model(b["x"]), ref_model(b["x"]), rtol=1e-5, atol=1e-6)
 
@@ -205,6 +206,6 @@ def test_nnx_optimizer_checkpoint_restores_at_another_n(tmp_path):
     got = nnx.to_pure_dict(nnx.state(model2, nnx.Param))
   # N=4 -> N=2 sums the gradient in another order: fp32 rounding (measured
   # in test_checkpoint's resharding tests at ~1e-7)
-  assert_close(got, want, 1e-6, "nnx resumed at N=2 ")
+  assert_close(got, want, FP32_REORDER, "nnx resumed at N=2 ")
   with pytest.raises(ValueError, match="pass the optimizer's opt_state"):
     z1flax.assign(opt2.opt_state, {"a": jnp.zeros(2)})

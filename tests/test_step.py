@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import zero1_jax as z1
 from helpers import (assert_close, assert_equal, batch, deepspeed_clip,
                      float_part, loss_fn, mesh, odd_params, optax_run, rel_err)
+from tolerances import FP32_REORDER, FP32_SCALAR_REORDER
 
 
 def test_four_micro_batches_equal_one_big_batch():
@@ -27,10 +28,10 @@ def test_four_micro_batches_equal_one_big_batch():
     out[accum] = (float_part(p), m)
   # fp32 rounding (summing 4 micro-batch gradients vs one), 5 SGD steps with
   # momentum: measured 6.4e-8 between the two, 1.3e-7 against optax.
-  assert_close(out[4][0], out[1][0], 1e-6, "accum ")
-  np.testing.assert_allclose(out[4][1]["loss"], out[1][1]["loss"], rtol=1e-6)
+  assert_close(out[4][0], out[1][0], FP32_REORDER, "accum ")
+  np.testing.assert_allclose(out[4][1]["loss"], out[1][1]["loss"], rtol=FP32_SCALAR_REORDER)
   assert_close(out[1][0], optax_run(optax.sgd(0.05, momentum=0.9), params, bs),
-               1e-6, "big batch vs optax ")
+               FP32_REORDER, "big batch vs optax ")
 
 
 def test_micro_batches_are_consecutive_and_split_in_device_order():
@@ -73,7 +74,7 @@ def test_clipping_equals_unsharded_clip_by_global_norm(opt):
   assert max(norms) > 2.0 and min(norms) < 2.0   # clipped and unclipped steps
   # fp32 rounding over 10 steps, as in test_equivalence: measured 6.7e-8
   # (adam), 3.4e-7 (sgd).
-  assert_close(float_part(p), ref, 1e-6, f"clipped {opt} ")
+  assert_close(float_part(p), ref, FP32_REORDER, f"clipped {opt} ")
 
 
 def test_deepspeed_clip_rule_equals_its_unsharded_formula():
@@ -114,8 +115,8 @@ def test_grad_norm_metric_is_the_global_norm():
   tx = z1.zero1(optax.sgd(0.0), axis_name="data")
   p, s = z1.init(tx, params, mesh(8))
   _, _, m = z1.train_step(loss_fn, tx, mesh(8))(p, s, b)
-  np.testing.assert_allclose(m["grad_norm"], want, rtol=1e-6)
-  np.testing.assert_allclose(m["loss"], loss_fn(float_part(params), b), rtol=1e-6)
+  np.testing.assert_allclose(m["grad_norm"], want, rtol=FP32_SCALAR_REORDER)
+  np.testing.assert_allclose(m["loss"], loss_fn(float_part(params), b), rtol=FP32_SCALAR_REORDER)
 
 
 def test_has_aux_is_averaged_over_devices():
@@ -142,10 +143,10 @@ def test_accepts_a_batch_already_sharded_over_data(accum):
   # within fp32 rounding of unsharded optax (measured: 0 after one step).
   assert_equal(p_sharded, p_host, f"sharded accum={accum} ")
   assert_close(float_part(p_sharded),
-               optax_run(optax.adam(1e-3), odd_params(), [host]), 1e-6,
+               optax_run(optax.adam(1e-3), odd_params(), [host]), FP32_REORDER,
                f"sharded accum={accum} vs optax ")
-  np.testing.assert_allclose(m_sharded["loss"], m_host["loss"], rtol=1e-6)
-  np.testing.assert_allclose(m_sharded["grad_norm"], m_host["grad_norm"], rtol=1e-6)
+  np.testing.assert_allclose(m_sharded["loss"], m_host["loss"], rtol=FP32_SCALAR_REORDER)
+  np.testing.assert_allclose(m_sharded["grad_norm"], m_host["grad_norm"], rtol=FP32_SCALAR_REORDER)
 
 
 def placement_probe(p, b):
@@ -332,8 +333,8 @@ def test_update_refuses_gradients_jax_already_summed():
                      r"'data', to='varying'\)"):
     step(pcast=False)
   # 1 step of SGD: a few fp32 ulps from the 4-way vs 16-way gradient sum.
-  assert_close(step(pcast=True), ref, 1e-6, "pcast ")
-  assert_close(step(pcast=False, check_vma=False), ref, 1e-6, "check_vma=False ")
+  assert_close(step(pcast=True), ref, FP32_REORDER, "pcast ")
+  assert_close(step(pcast=False, check_vma=False), ref, FP32_REORDER, "check_vma=False ")
 
 
 def test_init_outside_shard_map_says_how():
@@ -383,7 +384,7 @@ def test_models_with_exact_gelu_train():
   for i in range(3):
     u, s0 = tx0.update(jax.grad(gelu_loss)(ref, batch(8, seed=i)), s0, ref)
     ref = optax.apply_updates(ref, u)
-  assert_close(float_part(p), ref, 1e-6, "gelu ")
+  assert_close(float_part(p), ref, FP32_REORDER, "gelu ")
 
 
 def test_accepts_a_batch_committed_to_one_device():
@@ -397,7 +398,7 @@ def test_accepts_a_batch_committed_to_one_device():
   # Moved onto the mesh in row order: bitwise the host batch's step
   # (measured: equal). Which device gets which rows: the placement probe above.
   assert_equal(p_one, p_host, "one device ")
-  np.testing.assert_allclose(m_one["loss"], m_host["loss"], rtol=1e-6)
+  np.testing.assert_allclose(m_one["loss"], m_host["loss"], rtol=FP32_SCALAR_REORDER)
   with pytest.raises(ValueError, match="batch size 6 is not divisible"):
     step(p, s, jax.device_put(batch(6), jax.devices()[0]))
 

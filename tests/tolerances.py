@@ -33,23 +33,39 @@ def momentum_gain(momentum: float, steps: int) -> float:
 
 
 # fp32, same math in another summation order (the common case: zero1 at N
-# devices vs one device's optax, vs DDP, vs another N, vs a restored run).
+# devices vs one device's optax, vs DDP, vs another N, vs a restored run),
+# weights compared per leaf against the leaf's largest weight.
 #
-# Each gradient element of the tests' tiny models is a sum of R <= 16
-# per-row terms (helpers.batch(16)); a different order of the sum (XLA's
-# per-device partial sums and its all-reduce / reduce-scatter tree, or FMA
-# contraction on one CPU and not on another) changes it by at most
-# (R - 1) * U32 * sum|terms| <= 15 * U32 * G, with G <= ~1 the gradients'
-# scale here. SGD (lr <= 0.1, momentum 0.9, <= 4 steps) moves a weight by
-# lr * momentum_gain(0.9, 4) = 0.1 * 9.05 gradient errors at most:
-# 0.1 * 9.05 * 15 * U32 = 8.1e-7 of a leaf whose largest weight is ~1.
-# Adam's update m/sqrt(v) is scale-free in g, so a relative gradient error
-# stays a relative update error of ~lr = 1e-2 per step: 1e-2 * 2 * 15 * U32
-# * 8 steps = 1.4e-7. The worst case needs every rounding to go the same
-# way; the measured worst over native, AVX2, AVX and fast-math code is in
-# docs/tolerances.md (<= ~2e-7). A lost, doubled or mis-scaled update is
-# off by >= lr * |g| ~ 1e-3, three orders above the bound.
+# Each gradient element of the tests' tiny models is a sum of R = 16
+# per-row terms (helpers.batch(16)) of size ~G (G ~ 1 here). Another order
+# of that sum (per-device partial sums and the all-reduce / reduce-scatter
+# tree; FMA contraction on one CPU and not another) changes it by a sum of
+# R - 1 roundings, each uniform within +-U32/2 of a partial sum: standard
+# deviation ~ U32 * sqrt(R / 3) * G = 1.4e-7 G. (The worst case, every
+# rounding the same way, is (R - 1) * U32 * G = 9e-7 G: not reached by
+# independent roundings, and never measured.)
+# - SGD (lr, momentum b, T steps) moves a weight by lr * g_j for the error
+#   g_j of step j, g_j <= sum_t b^(t-j) <= 1 / (1 - b): independent errors
+#   add as a random walk, sigma = lr * sqrt(sum_j g_j^2) * 1.4e-7. The
+#   widest family, sgd(1e-2, momentum=0.9, nesterov) over 20 steps
+#   (test_equivalence: Nesterov adds a b * m term, g_j <= (1 + b) / (1 - b)
+#   = 19): 1e-2 * sqrt(20) * 19 * 1.4e-7 = 1.2e-7; 6 sigma = 7.1e-7.
+# - Adam's m / sqrt(v) is scale-free in g, so a relative gradient error
+#   stays a relative update error of ~lr per step: 20 steps of 1e-2 x
+#   2 x 1.4e-7: 6 sigma = 7.5e-8. (An element whose gradient nearly cancels
+#   can flip its update; the per-leaf max|leaf| scale, not the element's,
+#   is what keeps that from counting.)
+# So 1e-6 = 1.4 x the widest 6-sigma estimate. docs/tolerances.md has the
+# worst measured under native, AVX2, AVX and fast-math code. A lost,
+# doubled or mis-scaled update is off by >= lr * G ~ 1e-3: three orders
+# above the bound.
 FP32_REORDER = 1e-6
+
+# A loss or a gradient norm (a scalar: a sum of n <= 48 non-negative terms,
+# 16 rows x 3 outputs, each from dot products of length <= 7) in another
+# order: worst case (n - 1 + 2 * 7) * U32 = 3.6e-6 relative, a few ulps more
+# for another CPU's tanh; 1e-5 = 2.7x that.
+FP32_SCALAR_REORDER = 1e-5
 
 
 # fp16 params, N=1: zero1's fp16 backward runs on loss * scale (a power of
