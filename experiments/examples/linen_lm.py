@@ -124,9 +124,10 @@ def save_restore(state, shardings, path: str):
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(path, state)
   ckpt.wait_until_finished()
+  del shardings   # the arrays carry them (jit's out_shardings)
   target = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      state, shardings)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
   return ckpt.restore(path, target)
 
 

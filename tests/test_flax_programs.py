@@ -1,0 +1,145 @@
+"""Flax programs as users write them, with zero1 changing only the optimizer
+line (experiments/examples/): optax's weights, 1/N of the optimizer state
+per device, and a warning when the program places the state otherwise.
+
+Weights bound: in plain-jit mode zero1 takes the gradient jit has already
+reduced (the same all-reduce as the optax program), slices this device's
+shard and runs the same elementwise Adam ops on it, so each step's update
+differs from optax's only where XLA fuses those ops differently: at most
+one rounding (2^-24 relative) per op of the chain (m, v, two bias
+corrections, sqrt, +eps, divide, weight decay, apply) -> 9 u per step
+relative to the weights' scale; over K steps 9 K u, and x4 headroom for
+other CPUs' fusion choices: 36 K u (K = 6: 1.3e-5).
+"""
+
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zero1_jax as z1
+from experiments.examples import linen_lm, nnx_lm
+from helpers import assert_close, assert_equal
+
+K = 6
+RTOL = 36 * K * 2.0 ** -24
+PLACED = "places zero1's optimizer state other than zero1 planned"
+
+
+def opt_bytes(tree) -> int:
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def linen_mesh():
+  return jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.fixture(scope="module")
+def linen_runs():
+  mesh = linen_mesh()
+  out = {}
+  for use in (False, True):
+    with warnings.catch_warnings(record=True) as w:
+      warnings.simplefilter("always")
+      state, step, shardings, data = linen_lm.setup(use, mesh)
+      state, losses = linen_lm.train(state, step, data, mesh, K)
+    out[use] = (state, step, shardings, data, [str(x.message) for x in w])
+  return mesh, out
+
+
+def _moments(opt_state):
+  """The Adam mu/nu trees, wherever the optimizer keeps them."""
+  return [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+      if isinstance(s, optax.ScaleByAdamState)]
+
+
+def test_linen_lm_one_line_matches_optax_with_quarter_state(linen_runs):
+  mesh, runs = linen_runs
+  ref, got = runs[False][0], runs[True][0]
+  assert_close(nn.meta.unbox(got.params), nn.meta.unbox(ref.params), RTOL,
+               "linen LM vs optax ")
+  assert not [m for m in runs[True][4] if "zero1" in m], runs[True][4]
+  # Each moment leaf: device 0 holds 1/4 (data = 4) of the fraction of its
+  # (padded) leaf that optax's holds (split over model, or not, alike).
+  (mz,), (mo,) = _moments(got.opt_state), _moments(ref.opt_state)
+  for z, o in zip(jax.tree.leaves(mz.mu), jax.tree.leaves(mo.mu)):
+    zs, os_ = z.addressable_shards[0].data.size, o.addressable_shards[0].data.size
+    assert zs * 4 * o.size == os_ * z.size, (z.shape, z.sharding, o.sharding)
+  zb, ob = opt_bytes(got.opt_state), opt_bytes(ref.opt_state)
+  # 1/4 of optax's (data = 4), plus padding to multiples of 4 and the
+  # replicated scalars.
+  assert zb * 4 <= ob * 1.05 + 4 * 64, (zb, ob)
+
+
+def test_linen_lm_orbax_roundtrip_and_continue(linen_runs, tmp_path):
+  mesh, runs = linen_runs
+  state, step, shardings, data, _ = runs[True]
+  restored = linen_lm.save_restore(state, shardings, str(tmp_path / "ck"))
+  assert_equal(jax.tree.leaves(restored.opt_state),
+               jax.tree.leaves(state.opt_state))
+  for a, b in zip(jax.tree.leaves(restored.opt_state),
+                  jax.tree.leaves(state.opt_state)):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+  # The restored state trains on as the saved one would.
+  a, _ = linen_lm.train(restored, step, data, mesh, 1)
+  b, _ = linen_lm.train(jax.tree.map(lambda x: x.copy(), state), step, data,
+                        mesh, 1)
+  assert_equal(nn.meta.unbox(a.params), nn.meta.unbox(b.params))
+
+
+def test_linen_shardings_from_the_params_warn_with_bytes(linen_runs):
+  """The program replicates zero1's state (its opt_state shardings all P()):
+  the first step warns with the bytes per device and the fix."""
+  mesh, runs = linen_runs
+  state, _, shardings, data, _ = runs[True]
+  rep = NamedSharding(mesh, P())
+  bad = shardings.replace(opt_state=jax.tree.map(lambda _: rep,
+                                                 shardings.opt_state))
+  state = jax.device_put(state, bad)
+
+  def train_step(state, tokens):
+    grads = jax.grad(linen_lm.loss_fn)(state.params, state.apply_fn, tokens)
+    return state.apply_gradients(grads=grads)
+
+  step = jax.jit(train_step, in_shardings=(bad, data), out_shardings=bad)
+  with pytest.warns(UserWarning, match=PLACED) as w:
+    linen_lm.train(state, lambda s, t: (step(s, t), 0.0), data, mesh, 1)
+  msg = next(str(x.message) for x in w if PLACED in str(x.message))
+  held = opt_bytes(state.opt_state)
+  planned = opt_bytes(runs[True][0].opt_state)
+  # The measured totals exclude the scalar leaves (count: 4 B each).
+  assert f"{held - 4 * _scalars(state.opt_state)} B of zero1's state" in msg, msg
+  assert f"planned {planned - 4 * _scalars(state.opt_state)} B" in msg, msg
+
+
+def _scalars(tree) -> int:
+  return sum(1 for x in jax.tree.leaves(tree) if np.ndim(x) == 0)
+
+
+@pytest.fixture(scope="module")
+def nnx_runs():
+  out = {}
+  for tp in (1, 2):
+    mesh = nnx_lm.make_mesh(tp)
+    for use in (False, True):
+      model, opt, step = nnx_lm.setup(use, mesh)
+      nnx_lm.train(model, opt, step, mesh, K)
+      out[tp, use] = (model, opt)
+  return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_nnx_lm_one_line_matches_optax_with_quarter_state(nnx_runs, tp):
+  ref, got = nnx_runs[tp, False], nnx_runs[tp, True]
+  pure = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Param))
+  assert_close(pure(got[0]), pure(ref[0]), RTOL, f"nnx LM tp={tp} vs optax ")
+  zb, ob = nnx_lm.state_bytes(got[1]), nnx_lm.state_bytes(ref[1])
+  n = 8 // tp
+  assert zb * n <= ob * 1.05 + n * 64, (zb, ob, n)
