@@ -143,3 +143,50 @@ def test_nnx_lm_one_line_matches_optax_with_quarter_state(nnx_runs, tp):
   zb, ob = nnx_lm.state_bytes(got[1]), nnx_lm.state_bytes(ref[1])
   n = 8 // tp
   assert zb * n <= ob * 1.05 + n * 64, (zb, ob, n)
+
+
+def test_nnx_state_constrained_replicated_warns_with_bytes():
+  """An nnx step resharding the optimizer state to P() (as the params'
+  specs would on a 1-D mesh): the next step's tx.update sees it typed
+  replicated on the Explicit data axis, warns with the bytes and reshards
+  it to the plan (so the step still runs)."""
+  mesh = nnx_lm.make_mesh(1)
+  model, opt, _ = nnx_lm.setup(True, mesh, constrain=False)
+  planned = nnx_lm.state_bytes(opt)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    _, grads = nnx.value_and_grad(nnx_lm.loss_fn)(model, tokens)
+    optimizer.update(model, grads)
+    state = nnx.state(optimizer, nnx.optimizer.OptState)
+    # On Explicit axes with_sharding_constraint only asserts: reshard moves.
+    nnx.update(optimizer, jax.tree.map(
+        lambda x: jax.sharding.reshard(x, P()), state))
+
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    with jax.set_mesh(mesh):
+      for tokens in nnx_lm.batches(2):
+        step(model, opt, jax.device_put(tokens, NamedSharding(mesh, P("data"))))
+  msgs = [str(x.message) for x in w if PLACED in str(x.message)]
+  assert msgs, [str(x.message) for x in w]
+  held = nnx_lm.state_bytes(opt)
+  scalars = 4 * _scalars(nnx.state(opt, nnx.optimizer.OptState))
+  assert f"{held - scalars} B of zero1's state per device" in msgs[0], msgs[0]
+  assert f"planned {planned - scalars} B" in msgs[0], msgs[0]
+
+
+def test_eager_update_on_replicated_state_warns():
+  """Arrays passed to an eager tx.update placed replicated: warned at once."""
+  import jax.numpy as jnp
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  with jax.set_mesh(mesh):
+    params = {"w": jnp.ones((16, 4))}
+    state = tx.init(params)
+    rep = jax.device_put(state, NamedSharding(mesh, P()))
+    with pytest.warns(UserWarning, match=PLACED) as w:
+      tx.update({"w": jnp.ones((16, 4))}, rep, params)
+  msg = next(str(x.message) for x in w if PLACED in str(x.message))
+  # mu and nu: f32[16, 4] whole (256 B each) where 1/8 (32 B) was planned.
+  assert "512 B of zero1's state per device where zero1 planned 64 B" in msg, msg

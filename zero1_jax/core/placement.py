@@ -114,6 +114,15 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
   out = list(leaves)
   for i in idx:
     x, spec = leaves[i], spec_leaves[i]
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      shape = x.sharding.shard_shape(x.shape)
+      nbytes = math.prod(shape) * x.dtype.itemsize
+      ok = nbytes == planned[i]
+      report.add(i, nbytes, "ok" if ok else
+                 f"placed {getattr(x.sharding, 'spec', x.sharding)}")
+      if not ok and _data_explicit(data_axis):
+        out[i] = jax.sharding.reshard(x, spec)
+      continue
     typed = _typed_spec(x) if isinstance(x, jax.core.Tracer) else None
     typed_data = typed is not None and any(
         data_axis in _axes(e) for e in tuple(getattr(typed, "partitions", typed)))
