@@ -33,7 +33,7 @@ Example:
   >>> state["mu"]["w"].names
   ('vocab', 'batch')
   >>> nn.logical_to_mesh(nn.get_partition_spec(state), rules)
-  {'mu': {'w': PartitionSpec('model', 'data')}}
+  {'mu': {'w': P('model', 'data')}}
 """
 
 from __future__ import annotations

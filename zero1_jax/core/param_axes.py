@@ -25,8 +25,7 @@ Example:
   >>> pa.taken, [pa.local_shape(i, x.shape) for i, x in
   ...            enumerate(jax.tree.leaves(params))]
   (((0,), (1,)), [(4,), (6, 4)])
-  >>> from zero1_jax.core import boxes
-from zero1_jax.core import layout as lay
+  >>> from zero1_jax.core import layout as lay
   >>> L = lay.plan(pa.local_tree(params), 4, pa.taken)
   >>> [(s.kind, s.dim, s.shard_shape) for s in L.leaves]  # w avoids dim 1
   [('shard', 0, (1,)), ('shard', 0, (2, 4))]
