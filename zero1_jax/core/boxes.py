@@ -25,8 +25,9 @@ Example:
   >>> from flax import linen as nn
   >>> from jax.sharding import PartitionSpec as P
   >>> box = nn.LogicallyPartitioned(jnp.zeros((4, 2)), ("vocab", "embed"))
-  >>> mesh_axes(box, {"data": 4, "model": 2}, (("vocab", "model"),), "['w']")
-  PartitionSpec('model', None)
+  >>> spec = mesh_axes(box, {"data": 4, "model": 2}, (("vocab", "model"),), "w")
+  >>> spec == P("model", None)
+  True
   >>> rules = (("batch", "data"), ("vocab", "model"))
   >>> state = box_state({"mu": {"w": jnp.zeros((4, 2))}},
   ...                   {"mu": {"w": P("model", "data")}}, {"w": box}, rules)
