@@ -45,7 +45,8 @@ class LM(nnx.Module):
     # Megatron MLP: up column-parallel, down row-parallel (its contraction
     # over "model" is summed into a batch-sharded output).
     h = nnx.gelu(self.up(x))
-    x = x + self.down(h, out_sharding=P("data"))
+    explicit = jax.sharding.get_abstract_mesh().are_all_axes_explicit
+    x = x + self.down(h, out_sharding=P("data") if explicit else None)
     return x @ self.embed[...].T   # tied output embedding
 
 
@@ -63,10 +64,9 @@ def loss_fn(model, tokens):
       logits, tokens[:, 1:]).mean()
 
 
-def make_mesh(model_size: int = 1):
+def make_mesh(model_size: int = 1, kind=jax.sharding.AxisType.Explicit):
   return jax.make_mesh((jax.device_count() // model_size, model_size),
-                       ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+                       ("data", "model"), axis_types=(kind,) * 2)
 
 
 def setup(use_zero1: bool, mesh, constrain: bool = True):
