@@ -201,3 +201,22 @@ def test_eager_update_on_replicated_state_warns():
   msg = next(str(x.message) for x in w if PLACED in str(x.message))
   # mu and nu: f32[16, 4] whole (256 B each) where 1/8 (32 B) was planned.
   assert "512 B of zero1's state per device where zero1 planned 64 B" in msg, msg
+
+
+def test_state_on_another_dim_warns_though_bytes_match():
+  """State placed over "data" on another dim than planned: the same bytes,
+  but each step re-shards it; warned too."""
+  import jax.numpy as jnp
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  with jax.set_mesh(mesh):
+    params = {"w": jnp.ones((16, 8))}
+    state = tx.init(params)
+    assert state.inner[0].mu["w"].sharding.spec == P("data", None)
+    other = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "data")))
+        if x.ndim == 2 else x, state)
+    with pytest.warns(UserWarning, match=PLACED) as w:
+      tx.update({"w": jnp.ones((16, 8))}, other, params)
+  msg = next(str(x.message) for x in w if PLACED in str(x.message))
+  assert "2 of 2 state leaves" in msg and "64 B per device, planned 64 B" in msg, msg

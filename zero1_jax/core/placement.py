@@ -21,6 +21,8 @@ Example:
   >>> from jax.sharding import PartitionSpec as P
   >>> per_device_bytes((16, 4), jnp.float32, P("data", None), {"data": 8})
   32
+  >>> per_device_shape((16, 8), P(None, "data"), {"data": 8})
+  (16, 1)
 """
 
 from __future__ import annotations
@@ -48,14 +50,20 @@ def _axes(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def per_device_bytes(shape, dtype, spec: P, sizes: Mapping[str, int]) -> int:
-  """Bytes one device holds of an array of ``shape`` placed as ``spec``."""
+def per_device_shape(shape, spec: P, sizes: Mapping[str, int]) -> tuple:
+  """The shape of one device's piece of an array of ``shape`` placed as
+  ``spec``."""
   parts = tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
   dims = [int(s) for s in shape]
   for d, e in enumerate(parts[:len(dims)]):
     m = math.prod(int(sizes[a]) for a in _axes(e))
     dims[d] = -(-dims[d] // m)
-  return math.prod(dims) * jnp.dtype(dtype).itemsize
+  return tuple(dims)
+
+
+def per_device_bytes(shape, dtype, spec: P, sizes: Mapping[str, int]) -> int:
+  """Bytes one device holds of an array of ``shape`` placed as ``spec``."""
+  return math.prod(per_device_shape(shape, spec, sizes)) * jnp.dtype(dtype).itemsize
 
 
 def _typed_spec(x) -> P | None:
@@ -110,6 +118,10 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
   idx = [i for i, x in enumerate(leaves) if x is not None and np.ndim(x) > 0]
   planned = {i: per_device_bytes(np.shape(leaves[i]), leaves[i].dtype,
                                  spec_leaves[i], sizes) for i in idx}
+  # A piece of another shape (same bytes, another dim) is misplaced too:
+  # each step then re-shards it (an all-to-all).
+  pieces = {i: per_device_shape(np.shape(leaves[i]), spec_leaves[i], sizes)
+            for i in idx}
   report = _Report(paths, planned, len(idx))
   out = list(leaves)
   for i in idx:
@@ -117,7 +129,7 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
       shape = x.sharding.shard_shape(x.shape)
       nbytes = math.prod(shape) * x.dtype.itemsize
-      ok = nbytes == planned[i]
+      ok = tuple(shape) == pieces[i]
       report.add(i, nbytes, "ok" if ok else
                  f"placed {getattr(x.sharding, 'spec', x.sharding)}")
       if not ok and _data_explicit(data_axis):
@@ -129,7 +141,8 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
     data_explicit = _data_explicit(data_axis)
     if isinstance(x, jax.core.Tracer) and (typed_data or data_explicit):
       nbytes = per_device_bytes(np.shape(x), x.dtype, typed, sizes)
-      ok = nbytes == planned[i] and _same(typed, spec, np.ndim(x))
+      ok = (per_device_shape(np.shape(x), typed, sizes) == pieces[i]
+            and _same(typed, spec, np.ndim(x), sizes))
       report.add(i, nbytes, "ok" if ok else f"typed {typed}")
       if not ok:
         out[i] = jax.sharding.reshard(x, spec)
@@ -138,7 +151,7 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
     def seen(sharding, i=i, x=x):
       shape = sharding.shard_shape(np.shape(x))
       nbytes = math.prod(shape) * jnp.dtype(x.dtype).itemsize
-      report.add(i, nbytes, "ok" if nbytes == planned[i]
+      report.add(i, nbytes, "ok" if tuple(shape) == pieces[i]
                  else f"placed {getattr(sharding, 'spec', sharding)}")
     jax.debug.inspect_array_sharding(x, callback=seen)
   return treedef.unflatten(out)
@@ -152,7 +165,9 @@ def _data_explicit(axis: str) -> bool:
   return kind == jax.sharding.AxisType.Explicit
 
 
-def _same(a: P, b: P, ndim: int) -> bool:
+def _same(a: P, b: P, ndim: int, sizes: Mapping[str, int]) -> bool:
+  """Same placement, size-1 axes aside (they split nothing)."""
   pa = tuple(getattr(a, "partitions", a)) + (None,) * ndim
   pb = tuple(getattr(b, "partitions", b)) + (None,) * ndim
-  return [_axes(e) for e in pa[:ndim]] == [_axes(e) for e in pb[:ndim]]
+  real = lambda e: tuple(x for x in _axes(e) if sizes.get(x) != 1)
+  return [real(e) for e in pa[:ndim]] == [real(e) for e in pb[:ndim]]
