@@ -99,3 +99,36 @@ def test_another_optimizers_state_names_the_function(saved):
   with pytest.raises(ValueError, match="z1.from_optax_state: optax_state "
                      "has the tree"):
     z1.from_optax_state(tx, saved["opt_state"], saved["params"], mesh=mesh(4))
+
+
+def test_flax_checkpoint_of_an_optax_run_restores_into_zero1():
+  """A flax TrainState checkpoint of an optax run, restored into a zero1
+  TrainState with z1.flax.restore_checkpoint: moments and count come back
+  (flax's own restore would leave them at zero), and the run continues as
+  optax's does (bound: module docstring)."""
+  import tempfile
+  from flax.training import checkpoints, train_state
+  import zero1_jax.flax as z1flax
+
+  msh = mesh(4)
+  p0 = float_part(odd_params())
+  with jax.set_mesh(msh):
+    p0 = jax.device_put(p0, NamedSharding(msh, P()))
+    ref = train_state.TrainState.create(apply_fn=None, params=p0, tx=opt())
+  params, state = run(opt(), p0, ref.opt_state, data(K), msh)
+  d = tempfile.mkdtemp()
+  checkpoints.save_checkpoint(d, ref.replace(step=K, params=params,
+                                             opt_state=state), step=K)
+  tx = z1.zero1(opt(), axis_name="data")
+  with jax.set_mesh(msh):
+    target = train_state.TrainState.create(apply_fn=None, params=p0, tx=tx)
+    restored = z1flax.restore_checkpoint(d, target)
+    # flax's own restore: the hazard this function exists for.
+    silent = checkpoints.restore_checkpoint(d, target=target)
+  assert int(silent.opt_state.inner[0].count) == 0
+  assert int(restored.step) == K
+  assert int(restored.opt_state.inner[0].count) == K
+  more = data(M, seed=1)
+  want, _ = run(opt(), params, state, more, msh)
+  got, _ = run(tx, restored.params, restored.opt_state, more, msh)
+  assert_close(got, want, RTOL, "restored from flax checkpoint ")
