@@ -220,3 +220,19 @@ def test_state_on_another_dim_warns_though_bytes_match():
       tx.update({"w": jnp.ones((16, 8))}, other, params)
   msg = next(str(x.message) for x in w if PLACED in str(x.message))
   assert "2 of 2 state leaves" in msg and "64 B per device, planned 64 B" in msg, msg
+
+
+def test_host_state_is_placed_not_warned():
+  """A state handed back as host numpy arrays (e.g. read from disk) is not
+  a misplacement: it is placed as planned (Explicit axis: resharded)."""
+  import jax.numpy as jnp
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  with jax.set_mesh(mesh):
+    params = {"w": jnp.ones((16, 4))}
+    state = jax.tree.map(np.asarray, tx.init(params))
+    with warnings.catch_warnings(record=True) as w:
+      warnings.simplefilter("always")
+      _, new = tx.update({"w": jnp.ones((16, 4))}, state, params)
+  assert not [x for x in w if PLACED in str(x.message)]
+  assert new.inner[0].mu["w"].sharding.spec == P("data", None)

@@ -126,6 +126,11 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
   out = list(leaves)
   for i in idx:
     x, spec = leaves[i], spec_leaves[i]
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):   # host arrays
+      if _data_explicit(data_axis):   # placed as planned (Auto: by jit)
+        out[i] = jax.sharding.reshard(jnp.asarray(x), spec)
+      report.add(i, planned[i], "ok")
+      continue
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
       shape = x.sharding.shard_shape(x.shape)
       nbytes = math.prod(shape) * x.dtype.itemsize
