@@ -236,3 +236,36 @@ def test_host_state_is_placed_not_warned():
       _, new = tx.update({"w": jnp.ones((16, 4))}, state, params)
   assert not [x for x in w if PLACED in str(x.message)]
   assert new.inner[0].mu["w"].sharding.spec == P("data", None)
+
+
+def test_linen_lm_unboxed_after_init_lm1b_style(linen_runs):
+  """lm1b's variant: the state is unboxed after the jitted init and trained
+  with the boxed abstract state's shardings. The step's params are then
+  bare tracers on Auto axes: zero1 falls back on the model-axis sharding it
+  read from the boxes at init (no 'cannot be read' warning), and the state
+  stays 1/N."""
+  mesh, runs = linen_runs
+  is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+  unbox = lambda t: jax.tree.map(lambda x: x.unbox() if is_box(x) else x, t,
+                                 is_leaf=is_box)
+  got = {}
+  for use in (False, True):
+    with warnings.catch_warnings(record=True) as w:
+      warnings.simplefilter("always")
+      state, _, shardings, data = linen_lm.setup(use, mesh)
+      with jax.set_mesh(mesh):
+        state = unbox(state)
+
+      def train_step(state, tokens):
+        loss, grads = jax.value_and_grad(linen_lm.loss_fn)(
+            state.params, state.apply_fn, tokens)
+        return state.apply_gradients(grads=grads), loss
+
+      step = jax.jit(train_step, in_shardings=(shardings, data),
+                     out_shardings=(shardings, None))
+      state, _ = linen_lm.train(state, step, data, mesh, K)
+    got[use] = (state, [str(x.message) for x in w if "zero1" in str(x.message)])
+  assert not got[True][1], got[True][1]
+  assert_close(got[True][0].params, got[False][0].params, RTOL, "lm1b-style ")
+  zb, ob = opt_bytes(got[True][0].opt_state), opt_bytes(got[False][0].opt_state)
+  assert zb * 4 <= ob * 1.05 + 4 * 64, (zb, ob)
