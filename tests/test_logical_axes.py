@@ -123,3 +123,23 @@ def test_wrong_axis_name_with_placed_params_says_not_in_mesh():
   assert "no mesh was found" not in str(e.value)
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="not 'batch'"):
     tx.init({"w": jnp.ones((16, 4))})
+
+
+def test_boxed_state_saved_with_checkpointer_restores(tmp_path):
+  """tx.init boxes the state for linen params; z1's Checkpointer stores the
+  values, so the checkpoint restores onto the plain template."""
+  from zero1_jax.checkpoint import Checkpointer
+  mesh = auto_mesh()
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", logical_axis_rules=RULES)
+  with jax.set_mesh(mesh):
+    state = tx.init(boxed())
+  assert isinstance(_mu(state), nn.LogicallyPartitioned)
+  # The params as the program holds them: 'vocab' -> 'model' placed.
+  placed = {"emb": jax.device_put(boxed()["emb"].value,
+                                  NamedSharding(mesh, P("model", None)))}
+  ck = Checkpointer(str(tmp_path))
+  ck.save(1, placed, state)
+  ck.wait()
+  _, got, _ = ck.restore(None, tx, placed, mesh)
+  np.testing.assert_array_equal(np.asarray(got.inner[0].mu["emb"]),
+                                np.asarray(_mu(state).value))
