@@ -60,6 +60,7 @@ def _moments(opt_state):
       if isinstance(s, optax.ScaleByAdamState)]
 
 
+@pytest.mark.slow   # builds and compiles the linen LM twice (~70 s)
 def test_linen_lm_one_line_matches_optax_with_quarter_state(linen_runs):
   mesh, runs = linen_runs
   ref, got = runs[False][0], runs[True][0]
@@ -78,6 +79,7 @@ def test_linen_lm_one_line_matches_optax_with_quarter_state(linen_runs):
   assert zb * 4 <= ob * 1.05 + 4 * 64, (zb, ob)
 
 
+@pytest.mark.slow   # builds and compiles the linen LM twice (~70 s)
 def test_linen_lm_orbax_roundtrip_and_continue(linen_runs, tmp_path):
   mesh, runs = linen_runs
   state, step, shardings, data, _ = runs[True]
@@ -94,6 +96,7 @@ def test_linen_lm_orbax_roundtrip_and_continue(linen_runs, tmp_path):
   assert_equal(nn.meta.unbox(a.params), nn.meta.unbox(b.params))
 
 
+@pytest.mark.slow   # builds and compiles the linen LM twice (~70 s)
 def test_linen_shardings_from_the_params_warn_with_bytes(linen_runs):
   """The program replicates zero1's state (its opt_state shardings all P()):
   the first step warns with the bytes per device and the fix."""
@@ -140,6 +143,7 @@ def nnx_runs():
   return out
 
 
+@pytest.mark.slow   # compiles the nnx LM six times (~70 s)
 @pytest.mark.parametrize("tp,kind", NNX_CASES)
 def test_nnx_lm_one_line_matches_optax_with_quarter_state(nnx_runs, tp, kind):
   """The step constrains the optimizer state to nnx.get_partition_spec of
@@ -238,6 +242,7 @@ def test_host_state_is_placed_not_warned():
   assert new.inner[0].mu["w"].sharding.spec == P("data", None)
 
 
+@pytest.mark.slow   # builds and compiles the linen LM twice (~70 s)
 def test_linen_lm_unboxed_after_init_lm1b_style(linen_runs):
   """lm1b's variant: the state is unboxed after the jitted init and trained
   with the boxed abstract state's shardings. The step's params are then
