@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 _SOURCES = {
     "specs": "zero1_jax.core.specs",
     "inner_state": "zero1_jax.core.inner_state",
+    "from_optax_state": "zero1_jax.core.inner_state",
     "reduced_params": "zero1_jax.core.jit_mode",
     "Layout": "zero1_jax.core.layout", "plan": "zero1_jax.core.layout",
     **dict.fromkeys(("DynamicLossScale", "LossScaleState", "NoLossScale",
@@ -56,7 +57,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:   # what the names are, for type checkers and IDEs
   from zero1_jax import checkpoint, deepspeed, distributed, flax, inspect
   from zero1_jax.core import specs
-  from zero1_jax.core.inner_state import inner_state
+  from zero1_jax.core.inner_state import from_optax_state, inner_state
   from zero1_jax.core.jit_mode import reduced_params
   from zero1_jax.core.layout import Layout, plan
   from zero1_jax.core.precision import (DynamicLossScale, LossScaleState,
@@ -72,7 +73,7 @@ __all__ = [
     "ConfigError", "DeepSpeedConfig", "DynamicLossScale", "Engine", "Layout",
     "LossScaleState", "NoLossScale", "StaticLossScale", "StepInfo",
     "Zero1Config", "Zero1State", "Zero1Transformation", "checkpoint",
-    "deepspeed", "distributed", "flax", "init", "initialize", "inner_state", "inspect",
+    "deepspeed", "distributed", "flax", "from_optax_state", "init", "initialize", "inner_state", "inspect",
     "load_config", "loss_scale", "plan", "reduced_params", "specs",
     "state_shardings",
     "train_step", "zero1", "zero2",

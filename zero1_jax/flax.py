@@ -224,3 +224,83 @@ def assign(variables: Any, values: Any) -> None:
   for var, x in zip(targets, got):
     var.set_value(x)
 
+
+
+_ZERO1_KEYS = {"master", "inner", "loss_scale"}
+
+
+def restore_checkpoint(ckpt_dir: str, target: Any, *, step: int | None = None,
+                       mesh: jax.sharding.Mesh | None = None) -> Any:
+  """``flax.training.checkpoints.restore_checkpoint`` for a flax
+  ``TrainState`` whose tx is zero1, from a checkpoint of an optax run or of
+  a zero1 one.
+
+  flax's own restore into a zero1 target fills what the checkpoint lacks
+  from the target: an optax checkpoint comes back with params and step
+  restored and zero1's moments at zero, count 0 (the warmup restarts, and
+  nothing says so). Here an optax ``opt_state`` is read into ``tx.inner``'s
+  state and converted with :func:`zero1_jax.from_optax_state` (any N); a
+  zero1 one is read as it is. Params and state are placed as in
+  ``target``.
+
+  Example::
+
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    state = z1.flax.restore_checkpoint(ckpt_dir, state)   # optax or zero1
+
+  Raises:
+    ValueError: the checkpoint has no ``params`` / ``opt_state``, or its
+      optimizer state is not ``tx``'s inner optimizer's (naming the first
+      missing entry, or :func:`zero1_jax.from_optax_state` the difference).
+  """
+  from flax import serialization
+  from flax.training import checkpoints
+
+  from zero1_jax.core import inner_state as zinner
+
+  raw = checkpoints.restore_checkpoint(ckpt_dir, target=None, step=step)
+  if raw is None or raw is target or not isinstance(raw, dict) or not {
+      "params", "opt_state"} <= set(raw):
+    raise ValueError(
+        f"z1.flax.restore_checkpoint: {ckpt_dir} holds no TrainState "
+        f"checkpoint (params and opt_state)")
+  tx = target.tx
+  params = serialization.from_state_dict(target.params, raw["params"])
+  params = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), params,
+                        target.params)
+  saved = raw["opt_state"]
+  if isinstance(saved, dict) and set(saved) == _ZERO1_KEYS:
+    state = serialization.from_state_dict(target.opt_state, saved)
+    state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state,
+                         target.opt_state)
+  else:
+    template = jax.eval_shape(tx.inner.init, params)
+    optax_state = _from_raw(template, saved, "opt_state")
+    state = zinner.from_optax_state(tx, optax_state, params, mesh=mesh)
+  return target.replace(step=raw.get("step", target.step), params=params,
+                        opt_state=state)
+
+
+def _from_raw(template: Any, raw: Any, where: str) -> Any:
+  """``template``'s tree filled from a restored state dict (tuples keyed
+  '0', '1', ...; NamedTuples by field; an empty node may be missing)."""
+  if isinstance(template, tuple) and hasattr(template, "_fields"):
+    raw = raw or {}
+    return type(template)(**{f: _from_raw(getattr(template, f), raw.get(f),
+                                          f"{where}.{f}")
+                             for f in template._fields})
+  if isinstance(template, (tuple, list)):
+    raw = raw or {}
+    return type(template)(_from_raw(t, raw.get(str(i)), f"{where}[{i}]")
+                          for i, t in enumerate(template))
+  if isinstance(template, dict):
+    raw = raw or {}
+    return {k: _from_raw(t, raw.get(k), f"{where}[{k!r}]")
+            for k, t in template.items()}
+  if template is None:
+    return None
+  if raw is None:
+    raise ValueError(
+        f"z1.flax.restore_checkpoint: the checkpoint has no {where}: its "
+        f"optimizer state is not that of the optimizer zero1 wraps here")
+  return raw

@@ -44,6 +44,7 @@ from zero1_jax.checkpoint.lifecycle import quiet_failed_reads
 from zero1_jax.checkpoint.reshard import (CheckpointError, CheckpointMismatchError,
                                           CheckpointSaveError,
                                           UnreadableCheckpointError)
+from zero1_jax.core import boxes
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core.transform import Zero1State
 
@@ -144,6 +145,9 @@ class Checkpointer:
     # Variables; stored as their values, the checkpoint restores with or
     # without them
     params, opt_state = pax.strip_variables((params, opt_state))
+    # linen: tx.init boxes the state's sharded leaves (core/boxes.py); the
+    # checkpoint stores their values, as restore's template names them.
+    opt_state = boxes.strip(opt_state)
     step = int(step)
     extra = reshard.jsonable(extra or {}, "extra")
     meta = reshard.manifest(params, opt_state, reshard.jsonable(config, "config"))

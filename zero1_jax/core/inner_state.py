@@ -167,3 +167,106 @@ def _fill_static(inner: optax.GradientTransformation, state: Any, params: Any,
 
 def _path(tree: Any, i: int) -> tuple:
   return jax.tree_util.tree_flatten_with_path(tree)[0][i][0]
+
+
+def from_optax_state(tx: Any, optax_state: optax.OptState, params: Any,
+                     mesh: Any = None) -> Zero1State:
+  """A zero1 state continuing an optax run: the inverse of :func:`inner_state`.
+
+  ``optax_state`` is ``tx.inner``'s state as plain optax holds it (an
+  unsharded or data-parallel run, as saved: every moment parameter-shaped and
+  whole). Each parameter-shaped leaf is zero-padded at the end of its shard
+  dim and sharded over the data axis as ``tx.init`` would place it, at any
+  N; the other leaves (counts, hyperparameters) are placed replicated. The
+  masters of bf16/fp16 params are the params in the master dtype (optax kept
+  none). The loss scale starts fresh.
+
+  Args:
+    tx: from :func:`zero1_jax.zero1`, wrapping the optimizer that made
+      ``optax_state``.
+    optax_state: that optimizer's state.
+    params: the params it was trained with (arrays; their shardings over
+      other mesh axes are kept, as by ``tx.init``).
+    mesh: the mesh to shard over (default: the ``jax.set_mesh`` one, or the
+      params', or ``zero1(..., mesh=)``).
+
+  Returns:
+    The :class:`Zero1State`; ``inner_state(tx, result, params)`` gives
+    ``optax_state`` back bitwise.
+
+  Raises:
+    ValueError: ``optax_state`` is not ``tx.inner``'s state for ``params``
+      (another tree, or a leaf that is neither the state ``tx.init`` holds
+      there nor its parameter's shape).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, zero1_jax as z1
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> params = {"w": jnp.ones((13, 4))}
+    >>> opt = optax.adam(1e-2)
+    >>> tx = z1.zero1(opt, axis_name="data")
+    >>> with jax.set_mesh(mesh):
+    ...   state = from_optax_state(tx, opt.init(params), params)
+    >>> tuple(state.inner[0].mu["w"].sharding.spec)   # split over the data axis
+    ('data', None)
+    >>> inner_state(tx, state, params)[0].mu["w"].shape
+    (13, 4)
+  """
+  zstep.require_zero1(tx, "z1.from_optax_state")
+  bare = pax.unbox(params)
+  ctx = jax.set_mesh(mesh) if mesh is not None else _nothing()
+  with ctx:
+    template = tx.init(bare)
+  is_none = lambda x: x is None
+  t_leaves, t_def = jax.tree.flatten(template.inner, is_leaf=is_none)
+  o_leaves, o_def = jax.tree.flatten(optax_state, is_leaf=is_none)
+  if len(o_leaves) != len(t_leaves) or \
+      jax.tree.structure(template.inner) != jax.tree.structure(
+          t_def.unflatten([None if t is None else o
+                           for t, o in zip(t_leaves, o_leaves)])):
+    raise ValueError(
+        f"z1.from_optax_state: optax_state has the tree {o_def}, but tx's "
+        f"inner optimizer on these params holds {t_def}: pass the optax "
+        f"state of the optimizer tx wraps, for these params")
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(template.inner,
+                                                is_leaf=is_none)[0]]
+  out = [None if t is None else _placed(o, t, path, "inner")
+         for t, o, path in zip(t_leaves, o_leaves, paths)]
+  inner = t_def.unflatten(out)
+  p_leaves = jax.tree.leaves(bare)
+  m_leaves, m_def = jax.tree.flatten(template.master, is_leaf=is_none)
+  master = m_def.unflatten([
+      None if m is None else
+      _placed(jnp_astype(p, m.dtype), m, f"master[{i}]", "master")
+      for i, (m, p) in enumerate(zip(m_leaves, p_leaves))])
+  return template._replace(master=master, inner=inner)
+
+
+def jnp_astype(x, dtype):
+  return jax.numpy.asarray(x).astype(dtype)
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *a):
+    return False
+
+
+def _placed(x: Any, like: jax.Array, path: str, what: str) -> jax.Array:
+  """``x`` zero-padded to ``like``'s shape (at the end of the dims that
+  differ) and placed with ``like``'s sharding."""
+  x = jax.numpy.asarray(x)
+  have, want = tuple(x.shape), tuple(like.shape)
+  if len(have) != len(want) or any(a > b for a, b in zip(have, want)) \
+      or jax.numpy.dtype(x.dtype) != jax.numpy.dtype(like.dtype):
+    raise ValueError(
+        f"z1.from_optax_state: {what}{path} is {x.dtype}{list(have)}, not "
+        f"the state zero1 holds there ({like.dtype}{list(want)}, its "
+        f"parameter padded on one dim): pass the optax state of the "
+        f"optimizer tx wraps, for these params")
+  if have != want:
+    x = jax.numpy.pad(x, [(0, b - a) for a, b in zip(have, want)])
+  return jax.device_put(x, like.sharding)

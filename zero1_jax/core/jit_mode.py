@@ -43,11 +43,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero1_jax.core import boxes
 from zero1_jax.core import collectives as col
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
 from zero1_jax.core import layout as lay
 from zero1_jax.core import param_axes as pax
+from zero1_jax.core import placement
 from zero1_jax.core import specs as zspecs
 
 LOCAL = "local"        # this device's own gradient inside shard_map: sum, then / N
@@ -71,15 +73,19 @@ def _no_mesh(axis: str, why: str) -> ValueError:
       f"your own jax.shard_map), or in plain jax.jit code under a mesh with "
       f"that axis: `with jax.set_mesh(jax.make_mesh((n,), ('{axis}',))):`, or "
       f"with params placed on one (jax.device_put(params, "
-      f"NamedSharding(mesh, P()))).")
+      f"NamedSharding(mesh, P()))), or with the mesh passed to "
+      f"zero1(..., mesh=mesh) (e.g. for jax.eval_shape(init) before "
+      f"jax.set_mesh).")
 
 
-def find_mesh(axis: str, *trees: Any) -> tuple[Any, Any]:
+def find_mesh(axis: str, *trees: Any, fallback: Any = None
+              ) -> tuple[Any, Any]:
   """``(mesh for jax.shard_map, the mesh)``: the ``jax.set_mesh`` mesh
   (``None`` for shard_map: it reads the context), else the mesh of the first
   array in ``trees`` with a ``NamedSharding`` that has ``axis`` (params,
   then gradients, then the optimizer state: a state made under
-  ``jax.set_mesh`` carries its mesh into a step jitted outside it).
+  ``jax.set_mesh`` carries its mesh into a step jitted outside it), else
+  ``fallback`` (``zero1(..., mesh=)``).
 
   Raises:
     ValueError: no such mesh, naming the fix (``jax.set_mesh`` or shard_map).
@@ -90,7 +96,8 @@ def find_mesh(axis: str, *trees: Any) -> tuple[Any, Any]:
       raise _no_mesh(axis, f"the jax.set_mesh mesh has axes "
                      f"{tuple(ctx.axis_names)}, not '{axis}'")
     return None, ctx
-  for x in jax.tree.leaves(trees):
+  others = []
+  for x in jax.tree.leaves(boxes.strip(trees)):
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
       sharding = x.sharding
     else:
@@ -98,6 +105,16 @@ def find_mesh(axis: str, *trees: Any) -> tuple[Any, Any]:
     mesh = getattr(sharding, "mesh", None)
     if isinstance(sharding, NamedSharding) and axis in mesh.axis_names:
       return mesh, mesh
+    if isinstance(sharding, NamedSharding) and not mesh.empty:
+      others.append(tuple(mesh.axis_names))
+  if fallback is not None and axis in fallback.axis_names:
+    return fallback, fallback
+  if fallback is not None:
+    raise _no_mesh(axis, f"the mesh passed to zero1(mesh=) has axes "
+                   f"{tuple(fallback.axis_names)}, not '{axis}'")
+  if others:
+    raise _no_mesh(axis, f"the arguments' mesh has axes {others[0]}, not "
+                   f"'{axis}' (pass zero1(..., axis_name=<one of them>))")
   raise _no_mesh(axis, "no mesh was found (no jax.set_mesh context, and no "
                  f"argument has a NamedSharding with axis '{axis}')")
 
@@ -176,12 +193,19 @@ def _param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
   ``nnx.Optimizer`` init eagerly); failing that, a warning says so and the
   params count as replicated over those axes."""
   axis = tx.config.axis_name
-  pa = pax.resolve(params, dict(mesh.shape), axis, tx.config.param_specs)
+  rules = tx.config.logical_axis_rules or boxes.context_rules()
+  if rules:
+    tx.seen_rules = rules   # for a step traced outside the rules' context
+  pa = pax.resolve(params, dict(mesh.shape), axis, tx.config.param_specs,
+                   rules=rules or getattr(tx, "seen_rules", None))
+  from_meta = any(map(boxes.is_box, jax.tree.leaves(params,
+                                                    is_leaf=boxes.is_box)))
+  params = boxes.strip(params)
   leaves = jax.tree.leaves(params)
   # Shapes and dtypes, not the treedef: nnx hands init and update the same
   # arrays in differently typed containers.
   key = tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
-  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+  if from_meta or not any(isinstance(x, jax.core.Tracer) for x in leaves):
     tx.seen_param_axes[key] = pa   # what a later traced update falls back on
     return pa
   auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
@@ -201,14 +225,17 @@ def _param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
 
 
 def _in_specs(tree: Any, pa: pax.ParamAxes | None, axis: str,
-              field_of: Callable[[Any], str | None]) -> Any:
-  """Per leaf: its sharding over the other axes (``pa``), typed
-  ``field_of(leaf)`` (``reduced`` / ``unreduced`` / None) over ``axis``."""
+              field_of: Callable[[Any], str | None], sizes=None) -> Any:
+  """Per leaf: its sharding over the other axes (``pa``, and the size-1
+  axes its type names: ``pax.with_unit_axes``), typed ``field_of(leaf)``
+  (``reduced`` / ``unreduced`` / None) over ``axis``."""
   leaves, treedef = jax.tree.flatten(tree)
   out = []
   for i, x in enumerate(leaves):
     base = (tuple(pa.param_spec(i)) if pa is not None else ())
     base = base + (None,) * (jnp.ndim(x) - len(base))
+    if sizes:
+      base = pax.with_unit_axes(x, base, sizes)
     field = field_of(x)
     out.append(P(*base, **({field: {axis}} if field else {})))
   return treedef.unflatten(out)
@@ -227,14 +254,16 @@ STAGE2_AS_STAGE1 = (
     "z1.zero1 here to say so.")
 
 
-def init(tx: Any, init_in: Callable, params: Any) -> Any:
+def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   """``tx.init(params)`` outside shard_map: ``init_in(params, param_axes)``
   (the per-device init) inside a shard_map over the found mesh; the state
   comes out sharded over the data axis exactly as :func:`zero1_jax.init`
-  makes it (:func:`zero1_jax.core.specs.state_specs`). Refuses a
-  non-elementwise inner optimizer like :func:`zero1_jax.init`."""
+  makes it (:func:`zero1_jax.core.specs.state_specs`), its sharded leaves
+  wrapped as ``like``'s params are (linen boxes, nnx Variables) with
+  metadata naming that placement (:func:`zero1_jax.core.boxes.box_state`).
+  Refuses a non-elementwise inner optimizer like :func:`zero1_jax.init`."""
   axis = tx.config.axis_name
-  mesh, where = find_mesh(axis, params)
+  mesh, where = find_mesh(axis, params, fallback=tx.config.mesh)
   n = where.shape[axis]
   off = _off_mesh(mesh, {"params": params})
   if off:
@@ -242,6 +271,9 @@ def init(tx: Any, init_in: Callable, params: Any) -> Any:
   if tx.config.stage == 2:
     warnings.warn(STAGE2_AS_STAGE1, UserWarning, stacklevel=3)
   pa = _param_axes(tx, params, where)
+  like = params if like is None else like
+  params = boxes.strip(params)
+  sizes = dict(where.shape)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
                         params)
   local = shapes if pa is None else pa.local_tree(shapes)
@@ -250,9 +282,12 @@ def init(tx: Any, init_in: Callable, params: Any) -> Any:
   specs = zspecs.state_specs(tx, shapes, n, pa)
   f = empty_leaves.shard_map(lambda p: init_in(p, pa), mesh=mesh,
                     in_specs=(_in_specs(params, pa, axis,
-                                        _typed(axis, "reduced")),),
+                                        _typed(axis, "reduced"), sizes),),
                     out_specs=specs, check_vma=False)
-  return jax.jit(f)(params)   # eager shard_map would dispatch op by op
+  state = jax.jit(f)(params)   # eager shard_map would dispatch op by op
+  rules = (tx.config.logical_axis_rules or boxes.context_rules()
+           or getattr(tx, "seen_rules", ()))
+  return boxes.box_state(state, specs, like, rules)
 
 
 def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
@@ -264,19 +299,24 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
   their own sharding over other axes), so ``optax.apply_updates`` keeps the
   params' placement."""
   axis = tx.config.axis_name
-  mesh, where = find_mesh(axis, params, grads, state)
+  mesh, where = find_mesh(axis, params, grads, state,
+                          fallback=tx.config.mesh)
   n = where.shape[axis]
+  sizes = dict(where.shape)
   off = _off_mesh(mesh, {"params": params, "grads": grads})
   if off:
     raise ValueError(_place_first(off, axis))
   pa = _param_axes(tx, params, where)
+  grads, state, params = boxes.strip((grads, state, params))
   layout = lay.plan(params if pa is None else pa.local_tree(params), n,
                     None if pa is None else pa.taken)
   mode = grads_mode(grads, layout, axis)
   g_field = "unreduced" if mode == PARTIAL else None
-  g_specs = _in_specs(grads, pa, axis, lambda _: g_field)
-  p_specs = _in_specs(params, pa, axis, _typed(axis, "reduced"))
+  g_specs = _in_specs(grads, pa, axis, lambda _: g_field, sizes)
+  p_specs = _in_specs(params, pa, axis, _typed(axis, "reduced"), sizes)
   s_specs = zspecs.state_specs(tx, params, n, pa)
+  if tx.config.check_placement:
+    state = placement.check(state, s_specs, sizes, axis)
   f = empty_leaves.shard_map(lambda g, s, p: update_in(g, s, p, mode, pa), mesh=mesh,
                     in_specs=(g_specs, s_specs, p_specs),
                     out_specs=(p_specs, s_specs), check_vma=False)

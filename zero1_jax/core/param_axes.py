@@ -43,6 +43,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero1_jax.core import boxes
 from zero1_jax.core import layout as lay
 
 Axes = tuple[str, ...]
@@ -140,9 +141,9 @@ def rewrap_variables(like: Any, tree: Any) -> Any:
   return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(tree))
 
 
-def _spec_of(x) -> Any:
+def _spec_of(x, sizes, rules, where) -> Any:
   if _boxed(x):
-    return P(*x.names)
+    return boxes.mesh_axes(x, sizes, rules, where)
   if isinstance(x, jax.core.Tracer):
     sharding = getattr(jax.typeof(x), "sharding", None)
   else:
@@ -164,19 +165,23 @@ def _dims(spec, ndim: int, where: str) -> tuple[Axes, ...]:
 
 
 def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,
-            param_specs: Any = None, *, blocks: bool = False
-            ) -> ParamAxes | None:
+            param_specs: Any = None, *, blocks: bool = False,
+            rules: Any = None) -> ParamAxes | None:
   """The non-data sharding of ``params``, or None when there is none.
 
   Read from ``param_specs`` (a tree of ``PartitionSpec`` like ``params``,
   None for replicated leaves), else from each leaf: a Flax ``nn.Partitioned``
-  box's names, or the array's (or explicitly typed tracer's) ``NamedSharding``.
+  box's names (an ``nn.LogicallyPartitioned`` box's through its own rules,
+  else ``rules``, else the ``nn.logical_axis_rules`` context:
+  :func:`zero1_jax.core.boxes.mesh_axes`), or the array's (or explicitly
+  typed tracer's) ``NamedSharding``.
   ``blocks``: ``params`` are already each device's blocks (inside shard_map).
 
   Raises:
     ValueError: a spec names the data axis (params are not sharded over it:
       zero1 shards the optimizer state there) or an axis the mesh lacks, or
-      a sharded dim is not divisible by its axes' size.
+      a sharded dim is not divisible by its axes' size, or logical names
+      have no rules to map them.
   """
   leaves, treedef = jax.tree.flatten(params, is_leaf=_boxed)
   paths = [jax.tree_util.keystr(p) for p, _ in
@@ -188,7 +193,8 @@ def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,
       raise ValueError(f"zero1: param_specs does not match the parameter tree "
                        f"({e}).") from None
   else:
-    specs = [_spec_of(x) for x in leaves]
+    rules = rules or boxes.context_rules()
+    specs = [_spec_of(x, sizes, rules, path) for x, path in zip(leaves, paths)]
   out = []
   for path, x, spec in zip(paths, leaves, specs):
     shape = np.shape(x.value if _boxed(x) else x)
@@ -204,8 +210,12 @@ def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,
               f"it and keeps the weights whole there: place the params "
               f"replicated over '{data_axis}' (other axes are kept).")
         if a not in sizes:
-          raise ValueError(f"zero1: parameter {path} is sharded over '{a}', "
-                           f"which the mesh {dict(sizes)} lacks.")
+          raise ValueError(
+              f"zero1: parameter {path} is sharded over '{a}', which the mesh "
+              f"{dict(sizes)} lacks. If '{a}' is a logical axis name, pass "
+              f"the rules mapping it to mesh axes: zero1(..., "
+              f"logical_axis_rules=rules) or `with nn.logical_axis_rules("
+              f"rules):` around tx.init.")
       m = math.prod(sizes[a] for a in axes)
       if shape[d] % m and not blocks:
         raise ValueError(
@@ -244,3 +254,24 @@ def global_layout(params: Any, n: int, pa: ParamAxes | None) -> lay.Layout:
             for i, (s, x) in enumerate(zip(local.leaves,
                                            jax.tree.leaves(params)))]
   return lay.Layout(local.treedef, tuple(leaves), n)
+
+
+def with_unit_axes(x, base: tuple, sizes: Mapping[str, int]) -> tuple:
+  """``base`` (a spec's entries) with the size-1 mesh axes ``x``'s type
+  names added on their dims. A size-1 axis splits nothing, so the plan
+  ignores it (:func:`resolve`), but on an Explicit mesh an array is typed
+  with it (``f32[16@tensor, 4]``) and a ``shard_map`` over that array must
+  name it in ``in_specs``."""
+  try:
+    spec = jax.typeof(x).sharding.spec
+  except (AttributeError, TypeError):
+    return base
+  parts = tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
+  out = list(base) + [None] * (len(parts) - len(base))
+  for d, e in enumerate(parts):
+    axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+    if not any(sizes.get(a) == 1 for a in axes):
+      continue
+    have = _dims(P(out[d]), 1, "")[0]
+    out[d] = _entry(tuple(a for a in axes if a in have or sizes.get(a) == 1))
+  return tuple(out)

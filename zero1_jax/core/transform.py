@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zero1_jax.core import boxes
 from zero1_jax.core import checks as chk
 from zero1_jax.core import collectives as col
 from zero1_jax.core import jit_mode as jm
@@ -64,6 +65,12 @@ class Zero1Config:
   inplace_bytes: int | None | str = "auto"
   stage: int = 1   # 2: train_step reduces gradients in the backward (zero2.py)
   param_specs: Any = dataclasses.field(default=None, compare=False)
+  # Plain-jit mode (core/jit_mode.py): the mesh when none is set or placed
+  # (jax.eval_shape(init) before jax.set_mesh), the logical axis rules for
+  # nn.LogicallyPartitioned params, and the state placement check.
+  mesh: Any = dataclasses.field(default=None, compare=False)
+  logical_axis_rules: Any = dataclasses.field(default=None, compare=False)
+  check_placement: bool = True
 
   def inplace_threshold(self, num_shards: int = 2) -> int | None:
     """``inplace_bytes`` resolved: ``"auto"`` is 64 KiB on backends whose
@@ -156,7 +163,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           reduce_dtype: Any = None, check_elementwise: bool = True,
           clip_rule: str = "optax",
           inplace_bytes: int | None | str = "auto",
-          param_specs: Any = None) -> Zero1Transformation:
+          param_specs: Any = None, mesh: Any = None,
+          logical_axis_rules: Any = None,
+          check_placement: bool = True) -> Zero1Transformation:
   """Shards ``inner``'s state and the master weights over ``axis_name``.
 
   Args:
@@ -195,6 +204,16 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       needed where the params do not say it themselves: :func:`zero1_jax.init`,
       :func:`zero1_jax.train_step` and plain ``jax.jit`` code read it from the
       arrays' ``NamedSharding``; your own ``shard_map`` over both axes needs it.
+    mesh: plain-jit mode's mesh where no ``jax.set_mesh`` is active and no
+      argument is placed on one (``jax.eval_shape(init)`` before the mesh is
+      set).
+    logical_axis_rules: the ``(logical name, mesh axes)`` rules for params
+      boxed by ``nn.with_logical_partitioning`` (default: the box's own,
+      then the ``nn.logical_axis_rules`` context ``tx.init`` runs under).
+    check_placement: in plain-jit mode, warn when the state handed to
+      ``update`` is placed other than zero1 planned (e.g. replicated by
+      shardings derived from the params), with the bytes per device
+      (:mod:`zero1_jax.core.placement`).
 
   Returns:
     A :class:`Zero1Transformation`. Its ``update(grads, state, params)``
@@ -216,7 +235,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
   cfg = Zero1Config(axis_name, reduce, bucket_bytes, gather_bucket_bytes,
                     master_dtype, max_grad_norm, loss_scale, reduce_dtype,
                     check_elementwise, clip_rule, inplace_bytes,
-                    param_specs=param_specs)
+                    param_specs=param_specs, mesh=mesh,
+                    logical_axis_rules=logical_axis_rules,
+                    check_placement=check_placement)
   if max_grad_norm is not None and isinstance(inner, optax.MultiSteps):
     warnings.warn(MULTISTEPS_CLIP, UserWarning, stacklevel=2)
   axis = axis_name
@@ -246,9 +267,13 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                       _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
+    like = params
     params = pax.strip_variables(params)   # the state holds bare arrays
     if not jm.axis_bound(axis):   # plain jit / eager under a mesh
-      return jm.init(tx, lambda p, pa: init_from(p, p, param_axes=pa), params)
+      # Sharded leaves come back wrapped like the params (boxes, Variables)
+      # with metadata naming zero1's placement (core/boxes.py).
+      return jm.init(tx, lambda p, pa: init_from(p, p, param_axes=pa), params,
+                     like=like)
     return init_from(params, params)
 
   def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL,
@@ -383,9 +408,10 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     grads, params = pax.strip_variables(grads), pax.strip_variables(params)
     if not jm.axis_bound(axis):   # plain jit / eager under a mesh
       updates, new_state = jm.update(tx, update_as, grads, state, params)
+      new_state = boxes.rebox(state, new_state)
     else:
       updates, new_state = update_as(grads, state, params, jm.LOCAL)
-    return pax.rewrap_variables(like, updates), new_state
+    return boxes.rebox(like, updates), new_state
 
   def update_as(grads, state, params, grads_are, param_axes=None):
     new_params, new_state, _ = apply_fn(grads, state, params, grads_are,

@@ -1,0 +1,134 @@
+"""An optax run continued with zero1: z1.from_optax_state (optax -> zero1
+at any N) and z1.inner_state (zero1 -> optax, the export).
+
+Bound for the continued run: it starts from the same saved state as optax's
+own continuation, on the same mesh, so the gradients jit reduces are the same
+program; zero1 slices this device's shard of them and runs the same
+elementwise AdamW ops there. Each step's weights can then differ only by
+fusion choices: at most one rounding (2^-24 relative) per op of the update
+chain (m, v, two bias corrections, sqrt, +eps, divide, weight decay, apply):
+9 u a step relative to the weights' scale, over M steps 9 M u; x4 headroom
+for other CPUs: 36 M u.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zero1_jax as z1
+from helpers import assert_close, assert_equal, float_part, loss_fn, mesh, odd_params
+
+K, M = 3, 3
+RTOL = 36 * M * 2.0 ** -24
+
+
+def opt():
+  return optax.adamw(1e-2, weight_decay=0.1)
+
+
+def data(k, seed=0):
+  r = np.random.default_rng(seed)
+  return [{"x": r.normal(size=(16, 5)).astype(np.float32),
+           "y": r.normal(size=(16, 3)).astype(np.float32)} for _ in range(k)]
+
+
+def run(tx, params, state, batches, msh):
+  """Plain-jit steps on ``msh``: params replicated, batch over "data"."""
+  @jax.jit
+  def one(p, s, b):
+    g = jax.grad(loss_fn)(p, b)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  with jax.set_mesh(msh):
+    params = jax.device_put(params, NamedSharding(msh, P()))
+    for b in batches:
+      params, state = one(params, state,
+                          jax.device_put(b, NamedSharding(msh, P("data"))))
+  return params, state
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """K optax steps of a data-parallel run (8 devices), saved with orbax and
+  read back as the host arrays a user restores."""
+  import orbax.checkpoint as ocp
+  p0 = float_part(odd_params())
+  tx = opt()
+  with jax.set_mesh(mesh(8)):
+    s0 = tx.init(jax.device_put(p0, NamedSharding(mesh(8), P())))
+  params, state = run(tx, p0, s0, data(K), mesh(8))
+  path = tmp_path_factory.mktemp("optax") / "ck"
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(path, {"params": params, "opt_state": state})
+  ckpt.wait_until_finished()
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        {"params": params, "opt_state": state})
+  got = ckpt.restore(path, target)
+  return jax.tree.map(np.asarray, got)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_optax_checkpoint_continued_with_zero1_equals_optax(saved, n):
+  params, state = saved["params"], saved["opt_state"]
+  more = data(M, seed=1)
+  want, _ = run(opt(), params, jax.tree.map(jnp.asarray, state), more, mesh(n))
+  tx = z1.zero1(opt(), axis_name="data")
+  zstate = z1.from_optax_state(tx, state, params, mesh=mesh(n))
+  mu = zstate.inner[0].mu["dense"]["kernel"]
+  assert mu.addressable_shards[0].data.size * n == mu.size   # 1/N each
+  got, _ = run(tx, params, zstate, more, mesh(n))
+  assert_close(got, want, RTOL, f"continued at N={n} ")
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_roundtrip_is_bitwise(saved, n):
+  params, state = saved["params"], saved["opt_state"]
+  tx = z1.zero1(opt(), axis_name="data")
+  zstate = z1.from_optax_state(tx, state, params, mesh=mesh(n))
+  back = z1.inner_state(tx, zstate, jax.device_put(
+      params, NamedSharding(mesh(n), P())))
+  assert_equal(jax.tree.map(np.asarray, back), state)
+
+
+def test_another_optimizers_state_names_the_function(saved):
+  tx = z1.zero1(optax.sgd(1e-2, momentum=0.9), axis_name="data")
+  with pytest.raises(ValueError, match="z1.from_optax_state: optax_state "
+                     "has the tree"):
+    z1.from_optax_state(tx, saved["opt_state"], saved["params"], mesh=mesh(4))
+
+
+def test_flax_checkpoint_of_an_optax_run_restores_into_zero1():
+  """A flax TrainState checkpoint of an optax run, restored into a zero1
+  TrainState with z1.flax.restore_checkpoint: moments and count come back
+  (flax's own restore would leave them at zero), and the run continues as
+  optax's does (bound: module docstring)."""
+  import tempfile
+  from flax.training import checkpoints, train_state
+  import zero1_jax.flax as z1flax
+
+  msh = mesh(4)
+  p0 = float_part(odd_params())
+  with jax.set_mesh(msh):
+    p0 = jax.device_put(p0, NamedSharding(msh, P()))
+    ref = train_state.TrainState.create(apply_fn=None, params=p0, tx=opt())
+  params, state = run(opt(), p0, ref.opt_state, data(K), msh)
+  d = tempfile.mkdtemp()
+  checkpoints.save_checkpoint(d, ref.replace(step=K, params=params,
+                                             opt_state=state), step=K)
+  tx = z1.zero1(opt(), axis_name="data")
+  with jax.set_mesh(msh):
+    target = train_state.TrainState.create(apply_fn=None, params=p0, tx=tx)
+    restored = z1flax.restore_checkpoint(d, target)
+    # flax's own restore: the hazard this function exists for.
+    silent = checkpoints.restore_checkpoint(d, target=target)
+  assert int(silent.opt_state.inner[0].count) == 0
+  assert int(restored.step) == K
+  assert int(restored.opt_state.inner[0].count) == K
+  more = data(M, seed=1)
+  want, _ = run(opt(), params, state, more, msh)
+  got, _ = run(tx, restored.params, restored.opt_state, more, msh)
+  assert_close(got, want, RTOL, "restored from flax checkpoint ")

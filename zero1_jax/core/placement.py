@@ -1,0 +1,178 @@
+"""Is zero1's state placed as zero1 planned, where a program hands it back?
+
+In plain ``jax.jit`` code the program, not zero1, places the optimizer state
+between steps: its ``in_shardings`` / ``out_shardings``, a
+``with_sharding_constraint``, or the arrays it passes. A state replicated
+over the data axis (shardings derived from the params' annotations, a
+``P()`` constraint) still trains to the same weights, since ``tx.update``
+slices what it needs, but every device then holds the whole state: the
+ZeRO-1 saving is gone and nothing fails. :func:`check` measures, per state
+leaf, the bytes one device holds as placed against zero1's plan
+(:func:`zero1_jax.core.specs.state_specs`) and warns with both totals and the
+fix: at once for arrays and for tracers typed on Explicit axes, at compile
+time (``jax.debug.inspect_array_sharding``) on Auto axes.
+
+It warns rather than raises: the step's result is right, and a program may
+replicate the state on purpose (a debug run, a later reshard); the warning
+makes the cost visible with the numbers to act on.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jax.sharding import PartitionSpec as P
+  >>> per_device_bytes((16, 4), jnp.float32, P("data", None), {"data": 8})
+  32
+  >>> per_device_shape((16, 8), P(None, "data"), {"data": 8})
+  (16, 1)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+FIX = (
+    "Place the state as tx.init returned it: derive the jit shardings from "
+    "the state itself, not from the params' (linen: nn.get_partition_spec("
+    "abstract_state) -> nn.logical_to_mesh_sharding(..., mesh, rules), with "
+    "the TrainState built by tx.init so opt_state carries zero1's metadata; "
+    "nnx: nnx.get_partition_spec(nnx.state(optimizer)); any program: "
+    "jax.tree.map(lambda x: x.sharding, state)), and constrain it with "
+    "those, not with P() or the params' specs.")
+
+
+def _axes(entry) -> tuple:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def per_device_shape(shape, spec: P, sizes: Mapping[str, int]) -> tuple:
+  """The shape of one device's piece of an array of ``shape`` placed as
+  ``spec``."""
+  parts = tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
+  dims = [int(s) for s in shape]
+  for d, e in enumerate(parts[:len(dims)]):
+    m = math.prod(int(sizes[a]) for a in _axes(e))
+    dims[d] = -(-dims[d] // m)
+  return tuple(dims)
+
+
+def per_device_bytes(shape, dtype, spec: P, sizes: Mapping[str, int]) -> int:
+  """Bytes one device holds of an array of ``shape`` placed as ``spec``."""
+  return math.prod(per_device_shape(shape, spec, sizes)) * jnp.dtype(dtype).itemsize
+
+
+def _typed_spec(x) -> P | None:
+  """The spec of ``x``'s type (Explicit axes only; None without one)."""
+  try:
+    return jax.typeof(x).sharding.spec
+  except (AttributeError, TypeError):
+    return None
+
+
+class _Report:
+  """Collects the per-leaf measurements of one check and warns once."""
+
+  def __init__(self, names, planned, expected):
+    self.names, self.planned, self.expected = names, planned, expected
+    self.got: dict[int, tuple[int, str]] = {}
+
+  def add(self, i: int, nbytes: int, how: str):
+    self.got[i] = (nbytes, how)
+    if len(self.got) == self.expected:
+      self.emit()
+
+  def emit(self):
+    bad = [i for i, (b, how) in self.got.items()
+           if how is not None and how != "ok"]
+    if not bad:
+      return
+    held = sum(b for b, _ in self.got.values())
+    plan = sum(self.planned[i] for i in self.got)
+    first = bad[0]
+    warnings.warn(
+        f"zero1: this program places zero1's optimizer state other than "
+        f"zero1 planned: {len(bad)} of {len(self.got)} state leaves (e.g. "
+        f"{self.names[first]}: {self.got[first][1]}, "
+        f"{self.got[first][0]} B per device, planned "
+        f"{self.planned[first]} B). Measured: {held} B of zero1's state per "
+        f"device where zero1 planned {plan} B, and each step re-shards it. "
+        + FIX, UserWarning, stacklevel=2)
+
+
+def check(state: Any, specs: Any, sizes: Mapping[str, int],
+          data_axis: str) -> Any:
+  """Checks the placement of ``state`` (bare arrays or tracers) against
+  ``specs``; returns ``state``, with leaves typed on an Explicit data axis
+  other than planned resharded to the plan (so the step runs, after the
+  warning)."""
+  is_p = lambda s: isinstance(s, P)
+  spec_leaves, treedef = jax.tree.flatten(specs, is_leaf=is_p)
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_p)[0]]
+  leaves = treedef.flatten_up_to(state)
+  idx = [i for i, x in enumerate(leaves) if x is not None and np.ndim(x) > 0]
+  planned = {i: per_device_bytes(np.shape(leaves[i]), leaves[i].dtype,
+                                 spec_leaves[i], sizes) for i in idx}
+  # A piece of another shape (same bytes, another dim) is misplaced too:
+  # each step then re-shards it (an all-to-all).
+  pieces = {i: per_device_shape(np.shape(leaves[i]), spec_leaves[i], sizes)
+            for i in idx}
+  report = _Report(paths, planned, len(idx))
+  out = list(leaves)
+  for i in idx:
+    x, spec = leaves[i], spec_leaves[i]
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):   # host arrays
+      if _data_explicit(data_axis):   # placed as planned (Auto: by jit)
+        out[i] = jax.sharding.reshard(jnp.asarray(x), spec)
+      report.add(i, planned[i], "ok")
+      continue
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      shape = x.sharding.shard_shape(x.shape)
+      nbytes = math.prod(shape) * x.dtype.itemsize
+      ok = tuple(shape) == pieces[i]
+      report.add(i, nbytes, "ok" if ok else
+                 f"placed {getattr(x.sharding, 'spec', x.sharding)}")
+      if not ok and _data_explicit(data_axis):
+        out[i] = jax.sharding.reshard(x, spec)
+      continue
+    typed = _typed_spec(x) if isinstance(x, jax.core.Tracer) else None
+    typed_data = typed is not None and any(
+        data_axis in _axes(e) for e in tuple(getattr(typed, "partitions", typed)))
+    data_explicit = _data_explicit(data_axis)
+    if isinstance(x, jax.core.Tracer) and (typed_data or data_explicit):
+      nbytes = per_device_bytes(np.shape(x), x.dtype, typed, sizes)
+      ok = (per_device_shape(np.shape(x), typed, sizes) == pieces[i]
+            and _same(typed, spec, np.ndim(x), sizes))
+      report.add(i, nbytes, "ok" if ok else f"typed {typed}")
+      if not ok:
+        out[i] = jax.sharding.reshard(x, spec)
+      continue
+
+    def seen(sharding, i=i, x=x):
+      shape = sharding.shard_shape(np.shape(x))
+      nbytes = math.prod(shape) * jnp.dtype(x.dtype).itemsize
+      report.add(i, nbytes, "ok" if tuple(shape) == pieces[i]
+                 else f"placed {getattr(sharding, 'spec', sharding)}")
+    jax.debug.inspect_array_sharding(x, callback=seen)
+  return treedef.unflatten(out)
+
+
+def _data_explicit(axis: str) -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or axis not in mesh.axis_names:
+    return False
+  kind = dict(zip(mesh.axis_names, mesh.axis_types))[axis]
+  return kind == jax.sharding.AxisType.Explicit
+
+
+def _same(a: P, b: P, ndim: int, sizes: Mapping[str, int]) -> bool:
+  """Same placement, size-1 axes aside (they split nothing)."""
+  pa = tuple(getattr(a, "partitions", a)) + (None,) * ndim
+  pb = tuple(getattr(b, "partitions", b)) + (None,) * ndim
+  real = lambda e: tuple(x for x in _axes(e) if sizes.get(x) != 1)
+  return [real(e) for e in pa[:ndim]] == [real(e) for e in pb[:ndim]]
