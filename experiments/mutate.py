@@ -71,7 +71,7 @@ MUTANTS = [
         "scalar_grads_not_reduced",
         "replicated (scalar) leaves skip the all-reduce",
         "zero1_jax/core/collectives.py",
-        "total = jax.lax.psum(flat, axis_name)",
+        "total = jax.lax.psum(predivide(flat, n) if pre else flat, axis_name)",
         "total = flat",
         ("tests/test_equivalence.py", "-k", "bitwise")),
     Mutant(

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
+from zero1_jax.core import layout as lay
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import step as zstep
 from zero1_jax.core.transform import Zero1State, master_tree
@@ -230,7 +231,8 @@ def check(meta: dict, tx, params_template, mesh, where: str
   mdt = tx.config.master_dtype
 
   def abstract(shape_of):
-    shards = [jax.ShapeDtypeStruct(shape_of(s), mdt) for s in layout.leaves]
+    shards = [jax.ShapeDtypeStruct(shape_of(s), lay.master_dtype(s.dtype, mdt))
+              for s in layout.leaves]
     ls = jax.eval_shape(tx.loss_scaler(params_template).init)
     return Zero1State(master_tree(layout, mdt, shards),
                       jax.eval_shape(tx.inner.init, layout.inner_tree(shards)),

@@ -35,7 +35,8 @@ def check_master(state, layout: lay.Layout, master_dtype) -> list:
       raise ValueError(
           f"zero1: opt_state.master{jax.tree_util.keystr(path)} {what}, but "
           f"the parameter is {jnp.dtype(s.dtype).name} (master dtype "
-          f"{jnp.dtype(master_dtype).name}): the state was built for params of "
+          f"{lay.master_dtype(s.dtype, master_dtype).name}): the state was "
+          f"built for params of "
           f"another dtype. Build it from the params you train, e.g. "
           f"z1.init(tx, params, mesh, param_dtype=...) to cast them after "
           f"taking the master.")

@@ -106,10 +106,17 @@ def _brief(e: Exception) -> str:
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
+def leaf_dtype(spec: lay.LeafSpec, dtype: Any) -> np.dtype:
+  """The dtype the inner optimizer sees at a leaf: its master dtype
+  (:func:`.layout.master_dtype`) for the configured master ``dtype``."""
+  return lay.master_dtype(spec.dtype, dtype)
+
+
 def shard_inputs(layout: lay.Layout, dtype: Any) -> Any:
   """The param-structured tree of ShapeDtypeStructs the inner optimizer sees
   on one device (None at static leaves)."""
-  return layout.inner_tree([jax.ShapeDtypeStruct(s.shard_shape, dtype)
+  return layout.inner_tree([jax.ShapeDtypeStruct(s.shard_shape,
+                                                 leaf_dtype(s, dtype))
                             for s in layout.leaves])
 
 
@@ -146,7 +153,7 @@ def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
       shape = list(s.shard_shape)
       if grow and grows(s):
         shape[max(s.dim, 0)] += i + 1
-      out.append(jax.ShapeDtypeStruct(tuple(shape), dtype))
+      out.append(jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(s, dtype)))
     return layout.inner_tree(out)
 
   try:
@@ -243,7 +250,7 @@ ULPS = 8
 
 
 def _max_abs(x) -> float:
-  x = np.asarray(x, np.float64)
+  x = np.abs(np.asarray(x)).astype(np.float64)
   return float(np.max(np.abs(x), initial=0.0, where=np.isfinite(x)))
 
 
@@ -258,10 +265,13 @@ def _probe_paths(inner: optax.GradientTransformation, small: lay.Layout,
   return names(p, "") * 2 + names(state, "state")
 
 
-def _comparable(x) -> np.ndarray:
+def _key_data(x):
+  """A PRNG key's raw bits (comparable with ``==``); other values as they are.
+  Applied inside the probe's jitted program, so that under ``jax.jit(tx.init)``
+  nothing traced is left to convert."""
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  return np.asarray(x)
+    return jax.random.key_data(x)
+  return x
 
 
 def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
@@ -275,10 +285,18 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
   except Refused as e:
     return e.why
   rng = np.random.default_rng(seed)
+
+  def normal(s, scale=1.0):   # complex: both parts random (elementwise data)
+    dt = leaf_dtype(s, dtype)
+    x = rng.normal(size=s.shape) * scale
+    if jnp.issubdtype(dt, jnp.complexfloating):
+      x = x + 1j * rng.normal(size=s.shape) * scale
+    return x.astype(dt)
+
   full_p, full_g = [], []
   for s in small.leaves:
-    full_p.append(rng.normal(size=s.shape).astype(dtype))
-    full_g.append((rng.normal(size=s.shape) * 1e3).astype(dtype))
+    full_p.append(normal(s))
+    full_g.append(normal(s, 1e3))
 
   def split(xs):  # -> leaves stacked (n, *shard_shape); scalars unbatched
     out = []
@@ -296,7 +314,7 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
     state = inner.init(p)
     u, state = inner.update(g, state, p)
     u2, state = inner.update(g, state, optax.apply_updates(p, u))
-    return jax.tree.leaves((u, u2, state))
+    return [_key_data(x) for x in jax.tree.leaves((u, u2, state))]
 
   axes = small.inner_tree([0 if s.kind == lay.SHARD else None
                            for s in small.leaves])
@@ -318,7 +336,7 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
   u_dims = [s.dim if s.kind == lay.SHARD else None for s in small.leaves
             if s.kind != lay.STATIC]
   for i, (w, ps, d) in enumerate(zip(whole, parts, u_dims * 2 + dims)):
-    w, ps = _comparable(w), _comparable(ps)
+    w, ps = np.asarray(w), np.asarray(ps)
     if d is None:
       got = ps
       w = np.broadcast_to(w, ps.shape)
@@ -352,8 +370,8 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
     else:
       atol, ok = 0.0, np.array_equal(got, w)
     if not ok:
-      err = float(np.max(np.abs(got.astype(np.float64) - w), initial=0.0,
-                         where=np.isfinite(w)))
+      diff = np.abs(got.astype(np.complex128) - w).astype(np.float64)
+      err = float(np.max(diff, initial=0.0, where=np.isfinite(w)))
       step = f"step {i // len(u_dims) + 1}, " if update else ""
       path = _probe_paths(inner, small, dtype)[i]
       return (f"{what} on N={n} shards differs from the same slices of "

@@ -88,10 +88,6 @@ class Taint:
 _CLEAN = Taint()
 
 
-def _size(aval) -> int:
-  return int(np.prod(getattr(aval, "shape", ()) or (), dtype=np.int64))
-
-
 def _sub_jaxprs(eqn):
   """(jaxpr, consts) of call-like sub-jaxprs taking exactly eqn's operands."""
   for v in eqn.params.values():
@@ -168,7 +164,9 @@ def _eqn(eqn, ins: list) -> list:
     return _run(sub[0], sub[1], ins)
   dep = any(t.dep for t in ins)
   pos = next((t.pos for t in ins if t.pos), None)
-  if prim in _POSITIONAL and any(_size(a) > 1 for a in avals):
+  # Non-scalar: a draw of shape (1,) on a one-element shard is one draw per
+  # device where the whole leaf draws one per element (all devices alike).
+  if prim in _POSITIONAL and any(len(getattr(a, "shape", ())) for a in avals):
     what = "random numbers" if prim != "iota" else "an iota"
     pos = f"{what} drawn with a shape of the shard ({prim})"
   if dep and pos:

@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero1_jax.core import boxes
@@ -254,6 +255,33 @@ STAGE2_AS_STAGE1 = (
     "z1.zero1 here to say so.")
 
 
+FP16_NEEDS_SCALE = (
+    "zero1: float16 params ({where}) in plain jax.jit / eager code need an "
+    "explicit loss-scale choice. zero1's default for fp16 is a dynamic scale "
+    "(2^16 at first) that z1.train_step multiplies into the loss itself; "
+    "here you compute the gradients, so the update would divide gradients "
+    "that were never scaled by it. Choose one: zero1(..., loss_scale="
+    "z1.DynamicLossScale()) and multiply your loss by "
+    "z1.loss_scale(opt_state) before jax.grad (DeepSpeed's fp16 training), "
+    "or zero1(..., loss_scale=z1.NoLossScale()) for unscaled fp16 gradients "
+    "(they may underflow).")
+
+
+def check_fp16_scale(tx: Any, params: Any) -> None:
+  """ValueError (:data:`FP16_NEEDS_SCALE`) for float16 params when
+  ``tx`` was built without ``loss_scale=``: plain jit code makes the
+  gradients, so whether they carry the scale is the user's choice."""
+  if tx.config.loss_scale is not None:
+    return
+  fp16 = [jax.tree_util.keystr(k) for k, x in
+          jax.tree_util.tree_flatten_with_path(params)[0]
+          if lay.leaf_dtype(x) == jnp.float16]
+  if fp16:
+    where = ", ".join(fp16[:3]) + (f" +{len(fp16) - 3} more"
+                                   if len(fp16) > 3 else "")
+    raise ValueError(FP16_NEEDS_SCALE.format(where=where))
+
+
 def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   """``tx.init(params)`` outside shard_map: ``init_in(params, param_axes)``
   (the per-device init) inside a shard_map over the found mesh; the state
@@ -261,8 +289,10 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   makes it (:func:`zero1_jax.core.specs.state_specs`), its sharded leaves
   wrapped as ``like``'s params are (linen boxes, nnx Variables) with
   metadata naming that placement (:func:`zero1_jax.core.boxes.box_state`).
-  Refuses a non-elementwise inner optimizer like :func:`zero1_jax.init`."""
+  Refuses a non-elementwise inner optimizer like :func:`zero1_jax.init`, and
+  float16 params without an explicit ``loss_scale`` (:func:`check_fp16_scale`)."""
   axis = tx.config.axis_name
+  check_fp16_scale(tx, boxes.strip(params))
   mesh, where = find_mesh(axis, params, fallback=tx.config.mesh)
   n = where.shape[axis]
   off = _off_mesh(mesh, {"params": params})
@@ -274,8 +304,8 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   like = params if like is None else like
   params = boxes.strip(params)
   sizes = dict(where.shape)
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
-                        params)
+  shapes = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), lay.leaf_dtype(x)), params)
   local = shapes if pa is None else pa.local_tree(shapes)
   if tx.config.check_elementwise:
     ew.check_elementwise(tx.inner, local, n, tx.config.master_dtype)
@@ -290,11 +320,13 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   return boxes.box_state(state, specs, like, rules)
 
 
-def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
-           ) -> tuple[Any, Any]:
+def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
+           extra_args: dict | None = None) -> tuple[Any, Any]:
   """``tx.update(grads, state, params)`` outside shard_map, on the gradients
   ``jax.grad`` returns under jit. ``update_in(grads, state, params, mode,
-  param_axes)`` is the per-device update. Updates come out typed and
+  param_axes, extra_args)`` is the per-device update; ``extra_args``' arrays
+  (a ``value=`` loss, traced under jit) enter the shard_map replicated (it
+  cannot close over them), the rest is closed over. Updates come out typed and
   sharded like ``params`` (replicated or ``reduced`` over the axis, and
   their own sharding over other axes), so ``optax.apply_updates`` keeps the
   params' placement."""
@@ -317,10 +349,20 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any
   s_specs = zspecs.state_specs(tx, params, n, pa)
   if tx.config.check_placement:
     state = placement.check(state, s_specs, sizes, axis)
-  f = empty_leaves.shard_map(lambda g, s, p: update_in(g, s, p, mode, pa), mesh=mesh,
-                    in_specs=(g_specs, s_specs, p_specs),
-                    out_specs=(p_specs, s_specs), check_vma=False)
-  return jax.jit(f)(grads, state, params)
+  leaves, treedef = jax.tree.flatten(extra_args or {})
+  is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array) if a]
+
+  def extra(arrs):
+    it = iter(arrs)
+    return treedef.unflatten([next(it) if a else x
+                              for x, a in zip(leaves, is_array)])
+
+  f = empty_leaves.shard_map(
+      lambda g, s, p, a: update_in(g, s, p, mode, pa, extra_args=extra(a)),
+      mesh=mesh, in_specs=(g_specs, s_specs, p_specs, [P()] * len(arrays)),
+      out_specs=(p_specs, s_specs), check_vma=False)
+  return jax.jit(f)(grads, state, params, arrays)
 
 
 def reduced_params(params: Any, mesh: jax.sharding.Mesh | None = None, *,
@@ -367,7 +409,7 @@ def reduced_params(params: Any, mesh: jax.sharding.Mesh | None = None, *,
         f" ...)).")
 
   def place(x):
-    floating = jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    floating = lay.trainable(jnp.result_type(x))
     return jax.device_put(x, NamedSharding(
         mesh, _spec(x, axis_name, "reduced" if floating else None)))
   return jax.tree.map(place, params)

@@ -23,13 +23,18 @@ Design (why param-shaped shards):
   collective moves), and each bucket is one reduce-scatter / all-gather.
 
 Leaf kinds:
-  * ``SHARD``: floating leaf with ndim >= 1 and size > 0. State is 1/N.
+  * ``SHARD``: floating or complex leaf with ndim >= 1 and size > 0. State is
+    1/N. (A complex leaf's real and imaginary parts are elementwise data, as
+    optax treats them: its master and moments are complex too.)
   * ``REPLICATE``: floating scalar (shape ``()``). Too small to split; its
     gradient is all-reduced and every device updates it identically. On a
     mesh with model axes (:mod:`.param_axes`) also a leaf whose every dim is
     already sharded over them and none of whose local dims N divides.
-  * ``STATIC``: non-floating (integer, bool) or zero-size leaves. Passed
-    through untouched; the inner optimizer sees ``None`` there.
+  * ``STATIC``: integer, bool or zero-size leaves. Passed through
+    untouched; the inner optimizer sees ``None`` there.
+
+Each trainable leaf's master dtype is :func:`master_dtype`: never narrower
+than the parameter (float64 params keep a float64 master).
 """
 
 from __future__ import annotations
@@ -113,15 +118,49 @@ class Layout(NamedTuple):
   def state_bytes_per_device(self, moments: int = 2,
                              master_dtype: Any = np.float32) -> int:
     """Bytes of sharded state one device holds: ``moments`` trees (Adam: mu,
-    nu) in ``master_dtype``, plus a master copy of each leaf that is not
-    already in ``master_dtype`` (a leaf in it is its own master)."""
-    m = np.dtype(master_dtype)
-    return sum(l.shard_size * m.itemsize * (moments + (l.dtype != m))
-               for l in self.leaves if l.kind != STATIC)
+    nu) in each leaf's :func:`master_dtype`, plus a master copy of each leaf
+    that is not already in it (a leaf in it is its own master)."""
+    total = 0
+    for l in self.leaves:
+      if l.kind != STATIC:
+        m = _master_of(l.dtype, master_dtype)
+        total += l.shard_size * m.itemsize * (moments + (l.dtype != m))
+    return total
 
   @property
   def num_padding(self) -> int:
     return sum(l.pad for l in self.leaves if l.kind == SHARD)
+
+
+def trainable(dtype: Any) -> bool:
+  """Whether leaves of ``dtype`` are trained: floating or complex."""
+  return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+
+
+def master_dtype(dtype: Any, master: Any = np.float32) -> np.dtype:
+  """The dtype a trainable leaf of ``dtype`` keeps its master (and its
+  gradient arithmetic) in, given the configured ``master`` (a real floating
+  dtype): the wider of the two, complex for a complex leaf. float32 for
+  bf16/fp16/fp32 params, float64 for float64 ones (a float32 master would
+  round every float64 update: 2.9e-7 relative), complex64 for complex64 and
+  complex128 for complex128 params. A parameter already in its master dtype
+  is its own master (no copy).
+
+  Example:
+    >>> [master_dtype(d).name for d in ("bfloat16", "float32", "complex64")]
+    ['float32', 'float32', 'complex64']
+  """
+  return np.dtype(jax.numpy.promote_types(np.dtype(dtype), np.dtype(master)))
+
+
+_master_of = master_dtype   # for Layout, whose argument shadows the name
+
+
+def leaf_dtype(x: Any) -> np.dtype:
+  """A leaf's dtype; a Python scalar's as ``jnp.asarray`` makes it (float
+  -> float32 or float64 under x64, int -> int32, ...), as optax treats it."""
+  dt = getattr(x, "dtype", None)
+  return np.dtype(dt if dt is not None else jax.numpy.result_type(x))
 
 
 def choose_shard_dim(shape: Sequence[int], n: int,
@@ -154,8 +193,7 @@ def leaf_spec(shape: Sequence[int], dtype: Any, n: int,
   :func:`choose_shard_dim`."""
   shape = tuple(int(s) for s in shape)
   dtype = np.dtype(dtype)
-  floating = jax.numpy.issubdtype(dtype, jax.numpy.floating)
-  if not floating or math.prod(shape) == 0:
+  if not trainable(dtype) or math.prod(shape) == 0:
     return LeafSpec(STATIC, shape, dtype, -1, shape, shape)
   d = choose_shard_dim(shape, n, taken) if shape else None
   if d is None:
@@ -191,7 +229,7 @@ def plan(tree: Any, num_shards: int,
     raise ValueError(f"num_shards must be >= 1, got {num_shards}")
   leaves, treedef = jax.tree.flatten(tree)
   shapes = tuple(tuple(np.shape(x)) for x in leaves)
-  dtypes = tuple(np.dtype(x.dtype) for x in leaves)
+  dtypes = tuple(leaf_dtype(x) for x in leaves)
   return _plan(treedef, shapes, dtypes, int(num_shards),
                None if taken is None else tuple(map(tuple, taken)))
 

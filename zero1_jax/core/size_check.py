@@ -45,7 +45,8 @@ FIX = ("decide by ndim or by path instead of by size or shape (under zero1 "
 
 def _inputs(layout: lay.Layout, dtype: Any, whole: bool) -> Any:
   return layout.inner_tree([
-      jax.ShapeDtypeStruct(s.shape if whole else s.shard_shape, dtype)
+      jax.ShapeDtypeStruct(s.shape if whole else s.shard_shape,
+                           lay.master_dtype(s.dtype, dtype))
       for s in layout.leaves])
 
 

@@ -31,11 +31,14 @@ class Zero1State(NamedTuple):
 
 def stores_master(spec: lay.LeafSpec, master_dtype: Any) -> bool:
   """Whether a leaf keeps a separate master shard in :class:`Zero1State`:
-  floating (not static) and not already in ``master_dtype``. A parameter in
-  the master dtype is replicated and bitwise equal to its last update on
-  every device, so its own shard is the master."""
+  trainable (not static) and not already in its master dtype
+  (:func:`.layout.master_dtype`: float32 for bf16/fp16 params, the param's
+  own for float32, float64 and complex ones). A parameter in its master dtype
+  is replicated and bitwise equal to its last update on every device, so its
+  own shard is the master."""
   return (spec.kind != lay.STATIC
-          and jnp.dtype(spec.dtype) != jnp.dtype(master_dtype))
+          and jnp.dtype(spec.dtype) != lay.master_dtype(spec.dtype,
+                                                        master_dtype))
 
 
 def master_tree(layout: lay.Layout, master_dtype: Any, values) -> Any:

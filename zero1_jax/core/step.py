@@ -212,12 +212,12 @@ def _local_grad_fn(loss_fn: Callable, params: Any, axis: str) -> Callable:
   # invariant input would be psum'd for us); zero1 reduces them itself.
   local = jax.tree.map(
       lambda x: jax.lax.pcast(x, axis, to="varying")
-      if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+      if jnp.issubdtype(x.dtype, jnp.inexact) else x, params)
 
   def f(batch):
     g, aux = grad_fn(local, batch)
     g = jax.tree.map(   # integer leaves: float0 -> zeros, never used
-        lambda g, p: g if jnp.issubdtype(p.dtype, jnp.floating)
+        lambda g, p: g if jnp.issubdtype(p.dtype, jnp.inexact)
         else jnp.zeros(p.shape, p.dtype), g, params)
     return g, aux
 

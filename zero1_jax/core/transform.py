@@ -121,8 +121,13 @@ MULTISTEPS_CLIP = (
     "with z1.train_step(..., grad_accum_steps=k).")
 
 
-class Zero1Transformation(optax.GradientTransformation):
-  """An optax GradientTransformation with ZeRO-1 extras.
+class Zero1Transformation(optax.GradientTransformationExtraArgs):
+  """An optax GradientTransformationExtraArgs with ZeRO-1 extras.
+
+  ``update(grads, state, params, **extra_args)`` forwards extra keyword
+  arguments (e.g. ``value=loss``) to the inner optimizer's update when it
+  takes them (``optax.with_extra_args_support``: a plain
+  GradientTransformation ignores them), as ``optax.chain`` does.
 
   Attributes (set by :func:`zero1`): ``config`` (:class:`Zero1Config`),
   ``inner`` (the wrapped transformation), ``init_from(params, values)``
@@ -142,6 +147,28 @@ def _loss_scaler(cfg: Zero1Config, params) -> precision.LossScale:
     return cfg.loss_scale
   fp16 = any(jnp.dtype(x.dtype) == jnp.float16 for x in jax.tree.leaves(params))
   return precision.DynamicLossScale() if fp16 else precision.NoLossScale()
+
+
+NEEDS_PARAMS = (
+    "zero1: update needs params: tx.update(grads, state, params). A "
+    "parameter already in its master dtype (float32 params) is its own "
+    "master, so the state keeps no copy of it; each step slices this "
+    "device's shard from params, and new - params is the update.")
+
+
+def _arrays(tree: Any) -> Any:
+  """Python scalar leaves (float, int, complex, bool) as jnp arrays, as
+  optax's init and update make them; other leaves as they are."""
+  return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(
+      x, (bool, int, float, complex)) else x, tree)
+
+
+def _sum_sq(v) -> jax.Array:
+  """Sum of ``|v|^2`` in float32 (complex: re^2 + im^2, as optax's norms)."""
+  if jnp.iscomplexobj(v):
+    v = v.astype(jnp.complex64)
+    return jnp.sum(jnp.square(jnp.real(v)) + jnp.square(jnp.imag(v)))
+  return jnp.sum(jnp.square(v.astype(jnp.float32)))
 
 
 def _axis_size(axis_name: str) -> int:
@@ -180,11 +207,17 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     bucket_bytes: most bytes one reduce collective moves (all N pieces).
     gather_bucket_bytes: the same for the all-gather (default: bucket_bytes).
     master_dtype: dtype of the master weights and of the gradient arithmetic
-      (float32). Parameters in another dtype keep a sharded master copy in
-      it; parameters already in it are their own master (no copy).
+      (float32), never narrower than a parameter: float64 params keep a
+      float64 master, complex ones a complex master of at least this
+      precision (:func:`zero1_jax.core.layout.master_dtype`). Parameters in
+      another dtype (bf16, fp16) keep a sharded master copy; parameters
+      already in their master dtype are their own master (no copy).
     max_grad_norm: clip by the exact global norm (optax semantics), or None.
     loss_scale: a :mod:`zero1_jax.core.precision` policy. None: dynamic
       (DeepSpeed defaults) when any parameter is float16, otherwise none.
+      With float16 params in plain ``jax.jit`` code, where you compute the
+      gradients, ``tx.init`` requires it to be given (you multiply the loss
+      by ``z1.loss_scale(opt_state)``, or pass ``z1.NoLossScale()``).
     reduce_dtype: dtype gradients travel in (default: their own dtype).
     check_elementwise: at init, refuse ``inner`` unless it is elementwise
       (:func:`zero1_jax.core.elementwise.check_elementwise`: its jaxpr, then a
@@ -216,10 +249,14 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       (:mod:`zero1_jax.core.placement`).
 
   Returns:
-    A :class:`Zero1Transformation`. Its ``update(grads, state, params)``
-    takes this device's local, unreduced gradients inside shard_map and
-    returns full updates such that ``optax.apply_updates(params, updates)``
-    gives the new weights (for bf16/fp16 params: the fp32 master cast).
+    A :class:`Zero1Transformation` (an
+    ``optax.GradientTransformationExtraArgs``: extra keyword arguments of
+    ``update`` go to the inner optimizer where it takes them). Its
+    ``update(grads, state, params)`` takes this device's local, unreduced
+    gradients inside shard_map and returns full updates in the params'
+    dtypes, as optax does, such that ``optax.apply_updates(params, updates)``
+    gives the new weights (for bf16/fp16 params: the fp32 master cast,
+    exactly wherever a step at most doubles or halves a weight).
     Outside shard_map (plain ``jax.jit`` or eager, under ``jax.set_mesh`` or
     on arrays placed on a mesh), ``init`` and ``update`` run through
     :mod:`zero1_jax.core.jit_mode` and take the gradients ``jax.grad``
@@ -250,6 +287,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     return pax.resolve(params, pax.bound_sizes(cfg.param_specs, axis), axis,
                        cfg.param_specs, blocks=True)
 
+  def mdt(spec):   # this leaf's master dtype (layout.master_dtype)
+    return lay.master_dtype(spec.dtype, cfg.master_dtype)
+
   def layout_of(params, param_axes):
     return lay.plan(params, _axis_size(axis),
                     None if param_axes is None else param_axes.taken)
@@ -261,14 +301,16 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       if spec.kind == lay.SHARD:
         x = col.local_shard(x, spec, axis)
       shards.append(None if spec.kind == lay.STATIC
-                    else jnp.asarray(x).astype(cfg.master_dtype))
+                    else jnp.asarray(x).astype(mdt(spec)))
     return Zero1State(master_tree(layout, cfg.master_dtype, shards),
                       inner.init(layout.inner_tree(shards)),
                       _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
     like = params
-    params = pax.strip_variables(params)   # the state holds bare arrays
+    # The state holds bare arrays; Python scalars become arrays, as optax's
+    # init makes them (jnp.zeros_like(1.0) is a float32 scalar).
+    params = _arrays(pax.strip_variables(params))
     if not jm.axis_bound(axis):   # plain jit / eager under a mesh
       # Sharded leaves come back wrapped like the params (boxes, Variables)
       # with metadata naming zero1's placement (core/boxes.py).
@@ -277,7 +319,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     return init_from(params, params)
 
   def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL,
-               *, pre_reduced: bool = False, param_axes=None):
+               *, pre_reduced: bool = False, param_axes=None,
+               extra_args: dict | None = None):
     pa = axes_of(params, param_axes)
     layout = layout_of(params, pa)
     n = layout.num_shards
@@ -322,7 +365,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       reduced.update(col.psum_replicated(g_leaves, layout, axis,
                                          all_reduce=all_reduce,
                                          predivide_fp16=pre))
-    r = {i: v.astype(cfg.master_dtype) for i, v in reduced.items()}
+    r = {i: v.astype(mdt(layout.leaves[i])) for i, v in reduced.items()}
     scale = state.loss_scale.scale
     # jit's gradients are of the global mean loss already: no 1/N there.
     denom = (scale * (n if grads_are == jm.LOCAL else 1)).astype(jnp.float32)
@@ -332,8 +375,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     # A packed bucket's sum of squares is read from the bucket in one pass
     # (its padding is zero); per leaf, XLA:CPU would first copy every leaf's
     # slice out of it (its reductions do not fuse a slice in).
-    sq = lambda v: jnp.sum(jnp.square(v.astype(cfg.master_dtype)
-                                      .astype(jnp.float32)))
+    sq = _sum_sq
     groups: dict[tuple, Any] = {}
     done: set[int] = set()
     if pa is None:
@@ -358,7 +400,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       # optax.clip_by_global_norm: g / norm * c once norm >= c.
       denom = jnp.where(g_norm < cfg.max_grad_norm, denom,
                         denom * (g_norm / jnp.float32(cfg.max_grad_norm)))
-    g = {i: v / denom.astype(v.dtype) for i, v in r.items()}
+    g = {i: v / denom.astype(jnp.finfo(v.dtype).dtype) for i, v in r.items()}
     skipped = (~jnp.isfinite(g_norm) if scaler.skips_on_overflow
                else jnp.bool_(False))
 
@@ -374,7 +416,11 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       view.append(m)
     view = layout.inner_tree(view)
     g_tree = layout.inner_tree([g.get(i) for i in range(len(layout.leaves))])
-    updates, new_inner = inner.update(g_tree, state.inner, view)
+    if extra_args:   # forwarded where the inner update takes them
+      updates, new_inner = optax.with_extra_args_support(inner).update(
+          g_tree, state.inner, view, **extra_args)
+    else:
+      updates, new_inner = inner.update(g_tree, state.inner, view)
     new_view = optax.apply_updates(view, updates)
     if scaler.skips_on_overflow:
       keep = lambda old, new: jax.tree.map(
@@ -400,29 +446,38 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     new_params = layout.treedef.unflatten(new_params)
     return new_params, new_state, StepInfo(g_norm, skipped, scale)
 
-  def update_fn(grads, state, params=None):
+  def update_fn(grads, state, params=None, **extra_args):
     if params is None:
-      raise ValueError("zero1: update needs params (call "
-                       "tx.update(grads, state, params)).")
+      raise ValueError(NEEDS_PARAMS)
     like = params
-    grads, params = pax.strip_variables(grads), pax.strip_variables(params)
+    grads = _arrays(pax.strip_variables(grads))
+    params = _arrays(pax.strip_variables(params))
     if not jm.axis_bound(axis):   # plain jit / eager under a mesh
-      updates, new_state = jm.update(tx, update_as, grads, state, params)
+      updates, new_state = jm.update(tx, update_as, grads, state, params,
+                                     extra_args)
       new_state = boxes.rebox(state, new_state)
     else:
-      updates, new_state = update_as(grads, state, params, jm.LOCAL)
+      updates, new_state = update_as(grads, state, params, jm.LOCAL,
+                                     extra_args=extra_args)
     return boxes.rebox(like, updates), new_state
 
-  def update_as(grads, state, params, grads_are, param_axes=None):
+  def update_as(grads, state, params, grads_are, param_axes=None,
+                extra_args=None):
     new_params, new_state, _ = apply_fn(grads, state, params, grads_are,
-                                        param_axes=param_axes)
+                                        param_axes=param_axes,
+                                        extra_args=extra_args)
 
     def diff(new, p):
+      # In the param dtype, as optax returns updates. For bf16/fp16 params
+      # new - p is exact (Sterbenz) whenever the step changes a weight by at
+      # most a factor 2, so apply_updates gives the master's cast exactly;
+      # otherwise (a sign change) within the rounding of the update itself.
+      # The master never reads the params back, so nothing accumulates.
       p = jnp.asarray(p)
-      if not jnp.issubdtype(p.dtype, jnp.floating):
+      if not lay.trainable(p.dtype):
         return jnp.zeros_like(p)
       wide = jnp.promote_types(p.dtype, jnp.float32)
-      return new.astype(wide) - p.astype(wide)
+      return (new.astype(wide) - p.astype(wide)).astype(p.dtype)
 
     return jax.tree.map(diff, new_params, params), new_state
 
