@@ -128,12 +128,9 @@ def filter_stderr(pipe, out, on_fatal) -> None:
       fatal = [line]
       held = []
       continue
-    if _ABSL.match(line) and line[:1] in (b"W", b"E"):
-      out.write(b"".join(held))
-      held = [line]
-      continue
-    if held and not line.startswith(_OURS):
-      held.append(line)       # the warning's continuation lines
+    if (_ABSL.match(line) and line[:1] in (b"W", b"E")) or (
+        held and not line.startswith(_OURS) and len(held) < 200):
+      held.append(line)       # warnings and their continuation lines
       continue
     out.write(b"".join(held) + line)
     held = []
