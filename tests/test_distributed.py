@@ -173,7 +173,10 @@ def test_a_dead_peer_fails_the_survivor_within_the_heartbeat(tmp_path):
   _, err = procs[0].communicate(timeout=90)
   assert procs[0].returncode != 0
   assert time.monotonic() - t < 60
-  assert "another task died" in err or "heartbeat" in err
+  # zero1-train names the dead process at once (cli/peers.py) instead of
+  # waiting for the heartbeat: one line, no C++ trace
+  assert "process 1 of 2 died" in err, err[-3000:]
+  assert "Check failure" not in err, err[-3000:]
 
 
 def test_ctrl_c_stops_every_process_once_with_one_line(tmp_path):

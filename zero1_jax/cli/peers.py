@@ -64,6 +64,21 @@ def after_error(err: BaseException, output_dir: str,
     _exit(dead, err, output_dir)
 
 
+def watched(run, args):
+  """``run(args)``; an error after a peer died becomes the one line and an
+  exit at once; the watch ends with it."""
+  from zero1_jax.cli import common
+  try:
+    return run(args)
+  except (KeyboardInterrupt, common.UsageError, common.Interrupted):
+    raise
+  except Exception as e:
+    after_error(e, args.output_dir)
+    raise
+  finally:
+    stop()
+
+
 def resume_command(argv: list[str] | None = None) -> str:
   """This run's command line with ``--resume latest``, after the launcher
   that started it (``srun -n N`` / ``mpirun -np N`` when theirs)."""

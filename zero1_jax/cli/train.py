@@ -343,35 +343,19 @@ def main(argv=None) -> int:
   if (args.process_id is not None or args.distributed_auto
       or distributed.cluster_environment()) and not os.environ.get(
           launch.LAUNCHER_PID):
-    # mpirun, srun: no gloo lines, as under the local launcher, and one line
-    # for the runtime's C++ abort when process 0 (its service) died; the
-    # helper reads the last checkpoint with this module (imported before the
-    # fork: it takes seconds, and the launcher may end the helper by then)
+    # mpirun, srun: no gloo lines (as the local launcher) and one line for
+    # the runtime's C++ abort after process 0 died; the helper reads the last
+    # checkpoint with `steps`, imported before the fork (it takes seconds)
     with interrupt.held():
       from zero1_jax.checkpoint import steps  # noqa: F401
     launch.guard_output(lambda ranks: peers.message(
         ranks, None, args.output_dir, *peers.job_coordinates(args)))
   common.setup_logging()
   with interrupt.remembered():
-    code = common.guarded(_run_watched, args, "zero1-train")
+    code = common.guarded(lambda a: peers.watched(run, a), args, "zero1-train")
   if code == 130 and _multi_process():
     _leave_after_interrupt()
   return code
-
-
-def _run_watched(args):
-  """run(); an error after a peer died becomes one line naming it, and an
-  exit at once (cli/peers.py)."""
-  from zero1_jax.cli import peers
-  try:
-    return run(args)
-  except (KeyboardInterrupt, common.UsageError, common.Interrupted):
-    raise
-  except Exception as e:
-    peers.after_error(e, args.output_dir)
-    raise
-  finally:
-    peers.stop()
 
 
 def _multi_process() -> bool:
