@@ -88,8 +88,10 @@ def _setup(args):
       args.coordinator_address, args.num_processes, args.process_id,
       auto=args.distributed_auto,
       heartbeat_timeout_seconds=args.heartbeat_timeout)
-  if multi:    # a dead peer: one line and exit, not the 100 s wait
-    from zero1_jax.cli import peers
+  from zero1_jax.cli import launch, peers
+  if multi and not os.environ.get(launch.LAUNCHER_PID):
+    # a dead peer: one line and exit, not the 100 s wait (the local
+    # launcher does it itself: it stops the others and names the process)
     peers.start(args.output_dir)
   mesh = common.data_mesh(jax, None if multi else args.num_devices)
   main = distributed.is_main_process()
