@@ -137,6 +137,19 @@ def slurm(tmp_path_factory):
       except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
+    _stop_stepds(d)
+
+
+def _stop_stepds(d) -> None:
+  """A slurmstepd of this SLURM can outlive slurmd (seen once, a minute
+  after the last step): those whose environment names this directory."""
+  for pid in os.listdir("/proc"):
+    try:
+      if (pid.isdigit() and open(f"/proc/{pid}/comm").read().strip() == "slurmstepd"
+          and str(d) in open(f"/proc/{pid}/environ").read()):
+        os.kill(int(pid), signal.SIGKILL)
+    except OSError:
+      pass
 
 
 def _wait(ok, timeout_s, log):
