@@ -83,6 +83,103 @@ class _TextOut:
     self.stream.flush()
 
 
+# JAX's runtime ends a process whose coordination service failed (process 0
+# died, or a peer's heartbeats stopped) from C++: an absl FATAL line, the
+# error, "*** Check failure stack trace: ***" and frames, then abort(); no
+# Python code runs after it. The guard (guard_output) reads this process's
+# stderr in a forked helper, drops that block and the runtime's warnings
+# before it, and prints one line in its place.
+_ABSL = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+_OURS = (b"[zero1", b"zero1-train", b"zero1_jax", b"[Rank ", b"step ")
+
+
+def dead_ranks(fatal: bytes) -> list[int]:
+  r"""The processes a coordination-service FATAL names: process 0 when the
+  service (which runs in it) is unreachable, else the tasks listed as
+  unhealthy; [] when it names none.
+
+  >>> dead_ranks(b"The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks")
+  [1]
+  >>> dead_ranks(b"Either the leader task was preempted/died/restarted unexpectedly")
+  [0]
+  """
+  text = fatal.decode(errors="replace")
+  m = re.search(r"unhealthy[^:]*:\s*\n((?:.*\d.*\n)+?)\s*The tasks", text + "\n")
+  if m:
+    return sorted({int(x) for x in re.findall(r"(?:task:)?(\d+)(?=\s*(?:,|$))",
+                                              m.group(1), re.M)})
+  if re.search(r"leader task|Failed to send RPC to coordination service|"
+               r"Socket closed|Connection refused", text):
+    return [0]
+  return []
+
+
+def filter_stderr(pipe, out, on_fatal) -> None:
+  """Copies ``pipe`` to ``out`` less the runtime's fatal block (and the
+  warnings just before it, held back until a line of ours or EOF shows
+  none follows); at EOF after a fatal block, writes ``on_fatal(ranks)``."""
+  held: list[bytes] = []
+  fatal: list[bytes] | None = None
+  for line in iter(pipe.readline, b""):
+    if fatal is not None:
+      fatal.append(line)
+      continue
+    if _ABSL.match(line) and line[:1] == b"F":
+      fatal = [line]
+      held = []
+      continue
+    if (_ABSL.match(line) and line[:1] in (b"W", b"E")) or (
+        held and not line.startswith(_OURS) and len(held) < 200):
+      held.append(line)       # warnings and their continuation lines
+      continue
+    out.write(b"".join(held) + line)
+    held = []
+    out.flush()
+  out.write(b"".join(held))
+  if fatal is not None:
+    try:
+      text = on_fatal(dead_ranks(b"".join(fatal)))
+    except Exception as e:  # noqa: BLE001 - the line is said regardless
+      text = f"zero1-train: error: the JAX distributed service failed ({e})"
+    out.write(text.encode() + b"\n")
+  out.flush()
+
+
+def guard_output(on_fatal) -> bool:
+  """Under a launcher that is not zero1-train's (mpirun, srun): this
+  process's stdout and stderr (file descriptors 1 and 2, C++ writes
+  included) go through a forked helper process that drops gloo's
+  connection lines (:func:`relay`) and the runtime's fatal C++ block
+  (:func:`filter_stderr`, which prints ``on_fatal(ranks)`` instead) and ends
+  when this process does. Call before anything starts threads. Returns
+  False where it cannot (no fork)."""
+  if not hasattr(os, "fork"):
+    return False
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pipes = [os.pipe(), os.pipe()]
+  pid = os.fork()
+  if pid == 0:      # the helper: reads until every writer is gone
+    try:
+      signal.signal(signal.SIGINT, signal.SIG_IGN)    # the job's, not ours
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)   # EOF ends it
+      for r, w in pipes:
+        os.close(w)
+      outs = [os.fdopen(os.dup(fd), "wb", buffering=0) for fd in (1, 2)]
+      t = threading.Thread(target=relay, args=(os.fdopen(pipes[0][0], "rb"),
+                                               outs[0]), daemon=True)
+      t.start()
+      filter_stderr(os.fdopen(pipes[1][0], "rb"), outs[1], on_fatal)
+      t.join(5.0)
+    finally:
+      os._exit(0)
+  for (r, w), fd in zip(pipes, (1, 2)):
+    os.close(r)
+    os.dup2(w, fd)
+    os.close(w)
+  return True
+
+
 def free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))

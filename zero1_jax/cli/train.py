@@ -80,10 +80,19 @@ def _setup(args):
   from zero1_jax import distributed
   from zero1_jax.deepspeed import engine as zengine
 
+  try:   # it swallows SIGTERM (a TPU preemption notice): mpirun's, scancel's
+    jax.config.update("jax_enable_preemption_service", False)
+  except (AttributeError, KeyError):   # another jax: none to turn off
+    pass
   multi = distributed.initialize(
       args.coordinator_address, args.num_processes, args.process_id,
       auto=args.distributed_auto,
       heartbeat_timeout_seconds=args.heartbeat_timeout)
+  from zero1_jax.cli import launch, peers
+  if multi and not os.environ.get(launch.LAUNCHER_PID):
+    # a dead peer: one line and exit, not the 100 s wait (the local
+    # launcher does it itself: it stops the others and names the process)
+    peers.start(args.output_dir)
   mesh = common.data_mesh(jax, None if multi else args.num_devices)
   main = distributed.is_main_process()
   if not main:    # the config notes: once per job
@@ -137,8 +146,9 @@ def _setup(args):
   return engine, batches, main, resume, est
 
 
-def _resume(engine, args, ckpt_dir) -> None:
-  """--resume latest|latest-valid|STEP (checked by _resume_step)."""
+def _resume(engine, args, ckpt_dir, main_process=True) -> None:
+  """--resume latest|latest-valid|STEP (checked by _resume_step); process 0
+  says what it resumed (every process loads the same step)."""
   from zero1_jax import checkpoint
   tag = None if args.resume in ("latest", "latest-valid") else int(args.resume)
   try:
@@ -149,6 +159,8 @@ def _resume(engine, args, ckpt_dir) -> None:
       raise
     raise common.UsageError(f"{e}. --resume latest-valid continues from the "
                             f"newest step that is readable") from None
+  if not main_process:
+    return
   print(f"[zero1-train] resumed from {ckpt_dir} at step {engine.global_steps} "
         f"(data position {extra.get('data_step', engine.global_steps)})",
         flush=True)
@@ -173,7 +185,7 @@ def run(args: argparse.Namespace) -> dict | None:
   mem = common.log_memory(engine, cfg, est)   # every process: its own ranks
   ckpt_dir = os.path.join(args.output_dir, "checkpoints")
   if resume:
-    _resume(engine, args, ckpt_dir)
+    _resume(engine, args, ckpt_dir, main_process)
     if engine.global_steps >= args.max_steps:
       return reports.nothing_to_train(engine, args, ckpt_dir, main_process)
     if main_process:
@@ -330,9 +342,21 @@ def main(argv=None) -> int:
       and args.coordinator_address is None and not args.distributed_auto:
     from zero1_jax.cli import launch
     return launch.launch_local("zero1_jax.cli.train", argv, args.num_processes)
+  from zero1_jax import distributed
+  from zero1_jax.cli import launch, peers
+  if (args.process_id is not None or args.distributed_auto
+      or distributed.cluster_environment()) and not os.environ.get(
+          launch.LAUNCHER_PID):
+    # mpirun, srun: no gloo lines (as the local launcher) and one line for
+    # the runtime's C++ abort after process 0 died; the helper reads the last
+    # checkpoint with `steps`, imported before the fork (it takes seconds)
+    with interrupt.held():
+      from zero1_jax.checkpoint import steps  # noqa: F401
+    launch.guard_output(lambda ranks: peers.message(
+        ranks, None, args.output_dir, *peers.job_coordinates(args)))
   common.setup_logging()
   with interrupt.remembered():
-    code = common.guarded(run, args, "zero1-train")
+    code = common.guarded(lambda a: peers.watched(run, a), args, "zero1-train")
   if code == 130 and _multi_process():
     _leave_after_interrupt()
   return code

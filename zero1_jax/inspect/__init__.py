@@ -193,17 +193,60 @@ def capacity(devices) -> tuple[int, str]:
 
 
 # Processes of the job on this host, as launchers export it: zero1-train's
-# own local launcher, torchrun, Open MPI, SLURM (first match).
+# own local launcher, torchrun, Open MPI, MPICH/Intel MPI (first match); then
+# SLURM's per-node lists (processes_on_this_host).
 LOCAL_PROCESSES_ENV = ("ZERO1_LOCAL_PROCESSES", "LOCAL_WORLD_SIZE",
-                       "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+                       "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+# SLURM: tasks of each node of the step (srun), else of the job (sbatch);
+# --ntasks-per-node's value alone, last (srun -n N does not set it).
+SLURM_TASKS_ENV = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 
 
-def processes_on_this_host() -> int:
+def slurm_tasks_per_node(spec: str) -> list[int]:
+  """SLURM's compressed per-node counts, expanded: ``2(x3),1`` -> [2, 2, 2, 1].
+
+  >>> slurm_tasks_per_node("2(x3),1"), slurm_tasks_per_node("4")
+  ([2, 2, 2, 1], [4])
+
+  Raises:
+    ValueError: not in that form.
+  """
+  out = []
+  for part in spec.replace(" ", "").split(","):
+    count, _, times = part.partition("(x")
+    if times and not times.endswith(")"):
+      raise ValueError(f"not SLURM's tasks-per-node form: {spec!r}")
+    out += [int(count)] * (int(times[:-1]) if times else 1)
+  if not out or min(out) < 1:
+    raise ValueError(f"not SLURM's tasks-per-node form: {spec!r}")
+  return out
+
+
+def processes_on_this_host(environ=None) -> int:
   """How many processes of the job share this host's RAM (1 if no launcher
-  says). SLURM's ``2(x3)`` form counts its first number."""
+  says): the local size an MPI or zero1-train's launcher exports, else
+  SLURM's count for this node (``SLURM_STEP_TASKS_PER_NODE`` at index
+  ``SLURM_NODEID``: ``2(x3),1`` gives 1 on the fourth node), else
+  ``SLURM_NTASKS_PER_NODE``.
+
+  >>> processes_on_this_host({"SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"})
+  1
+  """
   import os
+  env = os.environ if environ is None else environ
   for name in LOCAL_PROCESSES_ENV:
-    value = os.environ.get(name, "").split("(")[0].split(",")[0].strip()
+    value = env.get(name, "").strip()
     if value.isdigit() and int(value) >= 1:
       return int(value)
+  node = env.get("SLURM_NODEID", "0").strip()
+  for name in SLURM_TASKS_ENV:
+    try:
+      counts = slurm_tasks_per_node(env[name])
+    except (KeyError, ValueError):
+      continue
+    if node.isdigit() and int(node) < len(counts):
+      return counts[int(node)]
+  value = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0].split(",")[0].strip()
+  if value.isdigit() and int(value) >= 1:
+    return int(value)
   return 1
