@@ -19,6 +19,8 @@ ZERO1_TOL_LOG is set (tests/helpers.py); this collects the logs and writes
 one row per bound site with the worst measured value per target.
 
   python -m experiments.tolerance_sweep --out docs/tolerances.md
+  python -m experiments.tolerance_sweep --targets AVX2,fast_math \
+      --recorded native=/tmp/native.tsv     # native from a `make test` log
 """
 
 from __future__ import annotations
@@ -70,14 +72,24 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="docs/tolerances.md")
   ap.add_argument("--targets", default=",".join(TARGETS))
+  ap.add_argument("--recorded", action="append", default=[], metavar="NAME=LOG",
+                  help="a ZERO1_TOL_LOG written by another run (e.g. "
+                       "native=log of `ZERO1_TOL_LOG=log make test`)")
   ap.add_argument("files", nargs="*", default=FILES)
   a = ap.parse_args(argv)
   worst = collections.defaultdict(dict)     # (site, what, bound) -> target -> err
   summary = {}
+  logs = []
+  for item in a.recorded:
+    name, log = item.split("=", 1)
+    summary[name] = f"recorded from another run ({os.path.basename(log)})"
+    logs.append((name, log, False))
   for name in a.targets.split(","):
     print(f"== {name}", flush=True)
     summary[name], log = run_target(name, TARGETS[name], a.files)
     print(summary[name], flush=True)
+    logs.append((name, log, True))
+  for name, log, remove in logs:
     if not os.path.exists(log):
       continue
     for row in open(log):
@@ -85,8 +97,9 @@ def main(argv=None):
       what = re.sub(r"N=\d+|\d+->\d+", "N", what).strip()
       key = (site(test), what, float(bound))
       worst[key][name] = max(worst[key].get(name, 0.0), float(err))
-    os.remove(log)
-  names = a.targets.split(",")
+    if remove:
+      os.remove(log)
+  names = list(summary)
   out = [
       "# Tolerances and the worst error each saw on other CPU code",
       "",
@@ -111,7 +124,7 @@ def main(argv=None):
                + " | ".join(cells) + f" | {room} |")
   out += ["", "Test outcomes per target (pytest's summary):", ""]
   for n in names:
-    out.append(f"- {n} (`XLA_FLAGS={TARGETS[n]}`): "
+    out.append(f"- {n} (`XLA_FLAGS={TARGETS.get(n, '')}`): "
                + summary[n].replace("\n", "; "))
   with open(a.out, "w") as f:
     f.write("\n".join(out) + "\n")

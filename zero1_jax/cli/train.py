@@ -342,8 +342,13 @@ def main(argv=None) -> int:
       and args.coordinator_address is None and not args.distributed_auto:
     from zero1_jax.cli import launch
     return launch.launch_local("zero1_jax.cli.train", argv, args.num_processes)
-  from zero1_jax import distributed
-  from zero1_jax.cli import launch, peers
+  try:
+    with interrupt.held():   # both load jax: a Ctrl-C inside jaxlib's init crashed it
+      from zero1_jax import distributed
+      from zero1_jax.cli import launch, peers
+  except KeyboardInterrupt:
+    print("zero1-train: interrupted", file=sys.stderr)
+    return 130
   if (args.process_id is not None or args.distributed_auto
       or distributed.cluster_environment()) and not os.environ.get(
           launch.LAUNCHER_PID):
