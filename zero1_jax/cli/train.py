@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 from zero1_jax.cli import (common, config_flags, hf_auto, interrupt,
                            reports, rundir, train_args)
@@ -79,6 +80,7 @@ def _setup(args):
   from zero1_jax.deepspeed import config as zconfig
   from zero1_jax import distributed
   from zero1_jax.deepspeed import engine as zengine
+  from zero1_jax.core import one_device
 
   multi = distributed.initialize(
       args.coordinator_address, args.num_processes, args.process_id,
@@ -132,7 +134,9 @@ def _setup(args):
   params = init(jax.random.key(args.seed))
   batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
                             cfg.train_batch_size, seed=args.seed)
-  engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
+  with warnings.catch_warnings():   # a lone CPU: _one_cpu_device_note says it
+    warnings.simplefilter("ignore", one_device.OneDeviceWarning)
+    engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
   engine.steps_per_print = None     # _train prints its own step lines
   return engine, batches, main, resume, est
 
