@@ -84,3 +84,43 @@ def test_report_to_all_is_the_installed_monitors(monkeypatch):
       ["tensorboard"] if real("tensorboardX") else [])
   assert train_args.report_sections(["wandb", "csv"]) == ["wandb", "csv_monitor"]
   assert train_args.report_sections(["none"]) == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lerning_rate", "1e-4"], "unrecognized argument --lerning_rate: did "
+     "you mean --learning_rate?"),
+    (["--per_device_batch_size=8"], "did you mean --per_device_train_batch_size?"),
+    (["--output-dir", "o"], "did you mean --output_dir?"),      # HF's dashes
+    (["--fp61"], "did you mean --fp16?"),
+    # a typo of a launch flag zero1-train takes differently: that flag's hint
+    (["--num_gpu", "2"], "--num_gpu is not a zero1-train flag (nor is "
+     "--num_gpus): use --num_devices N"),
+])
+def test_a_typo_d_flag_gets_a_suggestion_in_one_line(capsys, argv, message):
+  """A typo printed the 22-line usage and 'unrecognized arguments', with no
+  suggestion (argparse has none for flags, up to 3.14): now one line, still
+  exit 2."""
+  with pytest.raises(SystemExit) as e:
+    train_args.parse_args([*BASE, *argv])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and message in err[0], err
+  assert err[0].endswith("(zero1-train --help lists the flags)")
+
+
+def test_a_typo_of_the_required_flag_is_suggested_too(capsys):
+  """--deepspeed is required: argparse's 'the following arguments are
+  required' came first and hid the typo."""
+  with pytest.raises(SystemExit):
+    train_args.parse_args(["--deepsped", "ds.json"])
+  assert "did you mean --deepspeed?" in capsys.readouterr().err
+
+
+def test_abbreviations_and_far_names_keep_argparse_s_behaviour(capsys):
+  """An abbreviation argparse accepts is no typo; a name close to nothing
+  keeps the usage and 'unrecognized arguments'."""
+  assert train_args.parse_args([*BASE, "--max_step", "3"]).max_steps == 3
+  with pytest.raises(SystemExit):
+    train_args.parse_args([*BASE, "--zzz_qqq"])
+  err = capsys.readouterr().err
+  assert err.startswith("usage:") and "unrecognized arguments: --zzz_qqq" in err

@@ -41,6 +41,36 @@ class DropOrbaxTmpNotice(logging.Filter):
     return "since it is not finalized" not in record.getMessage()
 
 
+class NoEffectNotes(logging.Filter):
+  """Keeps back the config's per-key "has no effect" INFO lines (records
+  with ``zero1_no_effect``, deepspeed/config.py) and collects their keys, so
+  that :meth:`summary` says them in one line: the demo's own config opened
+  with three of them, one 230 characters long."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.keys: list[str] = []
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    key = getattr(record, "zero1_no_effect", None)
+    if key is None:
+      return True
+    if key not in self.keys:
+      self.keys.append(key)
+    return False
+
+  def summary(self) -> str | None:
+    """``3 keys of this config are accepted; each has no effect here: ...``
+    (None: no such key)."""
+    if not self.keys:
+      return None
+    n = len(self.keys)
+    what = (f"{n} keys of this config are accepted; each has" if n > 1 else
+            "1 key of this config is accepted and has")
+    return (f"{what} no effect here: {', '.join(self.keys)} (why, key by "
+            f"key: docs/deepspeed_config.md)")
+
+
 def report_unfinished_saves(ckpt_dir: str) -> None:
   """A save cut short (kill -9, power loss) leaves a step directory that is
   never loaded; say so, instead of orbax's warning when it is replaced."""
@@ -87,6 +117,22 @@ def step_line(row: dict, fp16: bool, engine) -> str:
       scale = f"; loss scale {row['loss_scale']:.0f} -> {after:.0f}"
     line += f"  SKIPPED ({why}: weights and optimizer state unchanged{scale})"
   return line
+
+
+def fp16_skip_note(fp16, step: int) -> str | None:
+  """The first skipped step of a dynamic fp16 run, explained once (it was
+  explained only in a plot legend): the loss scale starts high on purpose
+  and comes down by skipping steps. None for other skips (static scale,
+  bf16, fp32: the step line says why)."""
+  if not (fp16.enabled and fp16.dynamic_loss_scale):
+    return None
+  p = fp16.initial_scale_power
+  whose = "DeepSpeed's default" if p == 16 else "fp16.initial_scale_power"
+  return (f"[zero1-train] fp16: step {step} skipped, as expected in the first "
+          f"steps: the dynamic loss scale starts at 2^{p} ({whose}), too high "
+          f"for these gradients in fp16; each overflow skips its step (weights "
+          f"and optimizer state unchanged) and halves the scale until they "
+          f"fit. Skipped steps count toward --max_steps, as in DeepSpeed")
 
 
 def nothing_to_train(engine, args, ckpt_dir: str, main_process) -> dict | None:

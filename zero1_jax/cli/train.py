@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 from zero1_jax.cli import (common, config_flags, hf_auto, interrupt,
                            reports, rundir, train_args)
@@ -79,6 +80,7 @@ def _setup(args):
   from zero1_jax.deepspeed import config as zconfig
   from zero1_jax import distributed
   from zero1_jax.deepspeed import engine as zengine
+  from zero1_jax.core import one_device
 
   try:   # it swallows SIGTERM (a TPU preemption notice): mpirun's, scancel's
     jax.config.update("jax_enable_preemption_service", False)
@@ -97,20 +99,28 @@ def _setup(args):
   main = distributed.is_main_process()
   if not main:    # the config notes: once per job
     logging.getLogger("zero1_jax").setLevel(logging.WARNING)
-  cfg = config_flags.load(zconfig, args.deepspeed, mesh.shape["data"], dict(
-      train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
-      gradient_accumulation_steps=args.gradient_accumulation_steps,
-      train_batch_size=args.train_batch_size, lr=args.learning_rate,
-      fp16=args.fp16, bf16=args.bf16, warmup_steps=args.warmup_steps,
-      gradient_clipping=args.max_grad_norm, adam_beta1=args.adam_beta1,
-      adam_beta2=args.adam_beta2, **{hf_auto.WEIGHT_DECAY: args.weight_decay,
-                                     hf_auto.EPS: args.adam_epsilon},
-      report_to=args.report_to, logging_dir=args.logging_dir,
-      output_dir=args.output_dir),
-      max_steps=args.max_steps,
-      hidden_size=lambda: bert.make_config(
-          args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
-          max_len=args.seq_len).hidden_size)
+  notes = reports.NoEffectNotes()   # the per-key notes, said in one line
+  log.addFilter(notes)
+  try:
+    cfg = config_flags.load(zconfig, args.deepspeed, mesh.shape["data"], dict(
+        train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        train_batch_size=args.train_batch_size, lr=args.learning_rate,
+        fp16=args.fp16, bf16=args.bf16, warmup_steps=args.warmup_steps,
+        gradient_clipping=args.max_grad_norm, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        **{hf_auto.WEIGHT_DECAY: args.weight_decay,
+           hf_auto.EPS: args.adam_epsilon},
+        report_to=args.report_to, logging_dir=args.logging_dir,
+        output_dir=args.output_dir),
+        max_steps=args.max_steps,
+        hidden_size=lambda: bert.make_config(
+            args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
+            max_len=args.seq_len).hidden_size)
+  finally:
+    log.removeFilter(notes)
+  if notes.summary():   # held like the others until every check passed
+    log.info("%s", notes.summary())
   dtype = zengine.compute_dtype(cfg) or jax.numpy.float32
   mcfg = bert.make_config(args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
                           max_len=args.seq_len, dtype=dtype)
@@ -141,7 +151,9 @@ def _setup(args):
   params = init(jax.random.key(args.seed))
   batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
                             cfg.train_batch_size, seed=args.seed)
-  engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
+  with warnings.catch_warnings():   # a lone CPU: _one_cpu_device_note says it
+    warnings.simplefilter("ignore", one_device.OneDeviceWarning)
+    engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
   engine.steps_per_print = None     # _train prints its own step lines
   return engine, batches, main, resume, est
 
@@ -272,7 +284,10 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
            ckpt_dir) -> None:
   """The step loop: train, log, save every ``--save_steps``."""
   every = train_args.logging_interval(args, cfg.steps_per_print)
+  # a period asked for (--logging_steps, steps_per_print): lines with the bar
+  log_lines = log_lines or train_args.period_given(args, cfg.steps_per_print)
   first = engine.global_steps + 1     # this invocation's first step: logged
+  warmup_said = False    # the first skipped fp16 step is explained, once
   while engine.global_steps < args.max_steps:
     interrupt.check()
     lr = next(iter(engine.get_lr()), None)   # the rate this update uses
@@ -295,7 +310,12 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
     if main_process and log_lines and (
         row["step"] == first or row["step"] % every == 0
         or row["step"] == args.max_steps or row["skipped"]):
-      print(reports.step_line(row, cfg.fp16.enabled, engine), flush=True)
+      _say(bar, reports.step_line(row, cfg.fp16.enabled, engine))
+    if main_process and row["skipped"] and not warmup_said:
+      note = reports.fp16_skip_note(cfg.fp16, row["step"])
+      warmup_said = note is not None
+      if note:
+        _say(bar, note)
     if args.save_steps and (engine.global_steps % args.save_steps == 0
                             or engine.global_steps == args.max_steps):
       with interrupt.deferred_sigint(    # never inside orbax
@@ -303,6 +323,16 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
         engine.save_checkpoint(
             ckpt_dir, extra={"data_step": engine.global_steps, "seed": args.seed},
             max_to_keep=args.save_total_limit)
+
+
+def _say(bar, line: str) -> None:
+  """A console line: above the progress bar when there is one."""
+  write = getattr(bar, "write", None)    # tqdm's; common._NoBar has none
+  if write is None:
+    print(line, flush=True)
+  else:
+    write(line)
+    sys.stdout.flush()
 
 
 def _compiled_check(engine, batches, est, args, main_process) -> None:

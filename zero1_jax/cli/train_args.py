@@ -13,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import difflib
+import sys
 
 from zero1_jax.cli.common import UsageError
 
@@ -104,8 +106,10 @@ def _parser() -> argparse.ArgumentParser:
                  "the devices have")
   p.add_argument("--logging_steps", type=int, default=None,
                  help="print a log line at step 1, every K steps and the last "
-                 "(with --no_progress or no tqdm). Default: the JSON's "
-                 f"steps_per_print, else {DEFAULT_LOGGING_STEPS}")
+                 "(above the progress bar, if any). Default: the JSON's "
+                 f"steps_per_print; without either, log lines every "
+                 f"{DEFAULT_LOGGING_STEPS} steps only with --no_progress or "
+                 f"no tqdm")
   p.add_argument("--no_progress", action="store_true",
                  help="no progress bar (log lines instead)")
   p.add_argument("--report_to", nargs="+", default=None, metavar="NAME",
@@ -144,9 +148,39 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def _typo(p: argparse.ArgumentParser, argv) -> str | None:
+  """``--lerning_rate: did you mean --learning_rate?`` for the first flag
+  that is neither one of ``p``'s nor an abbreviation argparse accepts, when
+  one of its flags is close. argparse suggests nothing for a flag: 3.11-3.13
+  never (checked on 3.11.7, 3.12.1, 3.13.0), 3.14's ``suggest_on_error``
+  only for a ``choices`` value or a subcommand name."""
+  flags = [o for a in p._actions for o in a.option_strings if o.startswith("--")]
+  for arg in argv:
+    if arg == "--":      # what follows is not a flag
+      return None
+    name = arg.split("=", 1)[0]
+    if (not name.startswith("--") or name in _INSTEAD
+        or any(f.startswith(name) for f in flags)):
+      continue
+    # compared without the dashes: "--" in both would make any short pair close
+    close = difflib.get_close_matches(
+        name[2:], [f[2:] for f in flags + list(_INSTEAD)], n=1, cutoff=0.7)
+    if close and "--" + close[0] in _INSTEAD:   # e.g. --num_gpu: that hint
+      return (f"{name} is not a zero1-train flag (nor is --{close[0]}): "
+              f"{_INSTEAD['--' + close[0]]}")
+    if close:
+      return f"unrecognized argument {name}: did you mean --{close[0]}?"
+  return None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   """The flags, checked (argparse's usage error, exit 2, on a bad one)."""
   p = _parser()
+  argv = list(sys.argv[1:] if argv is None else argv)
+  typo = _typo(p, argv)
+  if typo:   # one line, not the usage (22 lines) that hides it; exit 2 still
+    p.exit(2, f"{p.prog}: error: {typo} (zero1-train --help lists the "
+           f"flags)\n")
   args, unknown = p.parse_known_args(argv)
   for arg in unknown:
     name = arg.split("=", 1)[0]
@@ -202,6 +236,13 @@ def report_sections(names) -> list[str]:
     out += [s for s in REPORT_TO[n] if s not in out and (
         n != "all" or importlib.util.find_spec(_PACKAGE[s]) is not None)]
   return out
+
+
+def period_given(args: argparse.Namespace, steps_per_print: int | None) -> bool:
+  """Whether a log period was asked for (--logging_steps or the JSON's
+  steps_per_print): step lines are printed then even with a progress bar, as
+  the HF Trainer prints its logs every logging_steps above its bar."""
+  return bool(args.logging_steps or steps_per_print)
 
 
 def logging_interval(args: argparse.Namespace, steps_per_print: int | None) -> int:

@@ -49,6 +49,7 @@ from zero1_jax.core import collectives as col
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
 from zero1_jax.core import layout as lay
+from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import placement
 from zero1_jax.core import specs as zspecs
@@ -295,6 +296,7 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   check_fp16_scale(tx, boxes.strip(params))
   mesh, where = find_mesh(axis, params, fallback=tx.config.mesh)
   n = where.shape[axis]
+  one_device.warn_if_one_device(n, axis, stacklevel=3)   # the caller of tx.init
   off = _off_mesh(mesh, {"params": params})
   if off:
     warnings.warn(_place_first(off, axis), stacklevel=3)

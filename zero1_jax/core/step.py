@@ -30,6 +30,7 @@ from zero1_jax.core import checks as chk
 from zero1_jax.core.batch import batch_size
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
+from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
@@ -152,6 +153,7 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
       elementwise.
   """
   n = _axis_size(tx, mesh, "z1.init")
+  one_device.warn_if_one_device(n, tx.config.axis_name)
   pa = param_axes(tx, params, mesh)
   if pa is not None and tx.config.stage == 2:   # before anything is allocated
     raise ValueError(_NO_STAGE2_2D)

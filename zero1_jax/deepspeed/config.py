@@ -5,6 +5,10 @@ resolves the batch triple as DeepSpeed does. Every key is honoured, accepted
 with one INFO line on logging.getLogger("zero1_jax") (no meaning under XLA),
 accepted with a UserWarning (recognised but not honoured), or rejected with
 ConfigError. docs/deepspeed_config.md is the key-by-key reference.
+
+The INFO record of a key that has no effect carries the key's dotted path as
+``record.zero1_no_effect`` (e.g. ``"zero_optimization.overlap_comm"``): a
+program can show those as one line (zero1-train does).
 """
 from __future__ import annotations
 
@@ -131,9 +135,11 @@ def _unknown_top(key: str) -> str:
 
 
 _NOTED: set[str] = set()   # info lines already logged in this process
-# What the config being built has to say: (key, message, warning category or
-# None for an INFO line), said only once the whole config is valid.
-_PENDING: list[tuple[str, str, type | None]] = []
+# What the config being built has to say: (key, message, warning category,
+# None for an INFO line, or _NO_EFFECT for a key's "has no effect" INFO
+# line), said only once the whole config is valid.
+_PENDING: list[tuple[str, str, object]] = []
+_NO_EFFECT = object()
 
 
 def _shown(path: str, value) -> str:
@@ -153,7 +159,7 @@ def _note(path: str, value) -> None:
     key = f"{path}={value!r}"
     text = keys.MESSAGES.get(path) or f"{_shown(path, value)} has no effect: {reason}"
     if key not in _NOTED:     # once per process, not once per re-validation
-      _PENDING.append((key, text, None))
+      _PENDING.append((key, text, _NO_EFFECT))
   else:
     _PENDING.append(("", f"{_shown(path, value)} is recognised but not "
                      f"honoured by zero1_jax: {reason}", NotHonouredWarning))
@@ -162,11 +168,13 @@ def _note(path: str, value) -> None:
 def _say_pending() -> None:
   """The notes and warnings of a config that turned out valid."""
   for key, text, category in _PENDING:
-    if category is not None:
+    if category is not None and category is not _NO_EFFECT:
       ds_log.warn(text, category)
     elif key not in _NOTED:
       _NOTED.add(key)
-      logger.info("%s", text)
+      tag = {} if category is None else {
+          "extra": {"zero1_no_effect": key.split("=", 1)[0]}}
+      logger.info("%s", text, **tag)
   _PENDING.clear()
 
 
@@ -239,7 +247,8 @@ def _named(raw: Mapping, key: str, cls):
       raise _unknown(k, key, allowed)
   if "legacy_fusion" in d:
     logger.info("optimizer.legacy_fusion=%r has no effect: it picks"
-                " a fused CUDA kernel", d["legacy_fusion"])
+                " a fused CUDA kernel", d["legacy_fusion"],
+                extra={"zero1_no_effect": "optimizer.legacy_fusion"})
   if not isinstance(d.get("type"), str):
     raise ConfigError(f"{key}.type must name the {key}, got {d.get('type')!r}")
   params = d.get("params") or {}
