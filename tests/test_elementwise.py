@@ -368,7 +368,23 @@ def _at(tree, path):
   return tree
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The fast suite's share of the sweep: the optimizers users reach for first,
+# a refusal of each kind (whole-leaf statistic, size-deciding, loss value=,
+# state that changes structure, per-example randomness) and the wrappers.
+# `make test-slow` (CI) runs every enumerated optimizer.
+FAST_CASES = {
+    "optax.adam", "optax.adamw", "adamw(mask)", "optax.sgd", "optax.lion",
+    "optax.nadam", "optax.rmsprop", "optax.adagrad", "MultiSteps(adam, 2)",
+    "inject_hyperparams(adamw, schedule)", "chain(clip_by_global_norm, adam)",
+    "optax.lamb", "optax.lars", "optax.scale_by_factored_rms",
+    "optax.polyak_sgd", "optax.contrib.reduce_on_plateau", "optax.monitor",
+    "optax.noisy_sgd", "optax.contrib.muon",
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(k, marks=() if k in FAST_CASES else pytest.mark.slow)
+    for k in sorted(CASES)])
 def test_matches_unsharded_optax_or_is_refused(name, outcomes):
   kind, detail = outcomes[name]
   if kind == "refused":

@@ -8,6 +8,7 @@ import pytest
 from experiments import gpu_exact
 
 
+@pytest.mark.slow   # the GPU check script dry-run on the CPU mesh (~20 s)
 def test_gpu_exact_passes_on_the_cpu_mesh(capsys):
   assert gpu_exact.main() == 0
   out = capsys.readouterr().out
