@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import difflib
 import os
 import time
 from typing import Mapping, Sequence
 
 from zero1_jax.deepspeed import log as ds_log
-from zero1_jax.deepspeed.schema import ConfigError, NotHonouredWarning
+from zero1_jax.deepspeed.schema import ConfigError, NotHonouredWarning, extra_key
 
 SECTIONS = ("tensorboard", "csv_monitor", "wandb")
 
@@ -92,11 +91,7 @@ def _one(key: str, d) -> object:
   for k, v in d.items():
     path = f"{key}.{k}"
     if k not in fields:
-      close = difflib.get_close_matches(k, sorted(fields), n=1, cutoff=0.6)
-      hint = f"; did you mean '{close[0]}'?" if close else ""
-      raise ConfigError(f"{path}: Extra inputs are not permitted (DeepSpeed "
-                        f"0.19.8 rejects it too; the keys are "
-                        f"{', '.join(fields)}){hint}")
+      raise extra_key(key, k, fields)
     if k == "enabled":
       if not (isinstance(v, bool) or (type(v) is int and v in (0, 1))):
         raise ConfigError(f"{path}={v!r}: Input should be a valid boolean "

@@ -19,11 +19,10 @@ zero1_jax.deepspeed.schema.ConfigError: zero_optimization.offload_optimizer.devi
 """
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any, Mapping
 
-from zero1_jax.deepspeed.schema import ConfigError
+from zero1_jax.deepspeed.schema import ConfigError, extra_key
 
 DEVICES = ("none", "cpu", "nvme")
 _BOOL, _INT, _UNIT, _PATH, _DEV = "bool", "int>=0", "0<=x<=1", "path", "device"
@@ -87,11 +86,7 @@ def check(key: str, section: Any, stage: int) -> str:
   fields = FIELDS[key]
   for k, v in section.items():
     if k not in fields:
-      close = difflib.get_close_matches(k, sorted(fields), n=1, cutoff=0.6)
-      hint = f"; did you mean '{close[0]}'?" if close else ""
-      raise ConfigError(f"{base}.{k}: Extra inputs are not permitted (DeepSpeed "
-                        f"0.19.8 rejects it too; the keys are "
-                        f"{', '.join(fields)}){hint}")
+      raise extra_key(base, k, fields)
     _field(f"{base}.{k}", fields[k], v)
   device = section.get("device", "none")
   ratio = section.get("ratio", 1.0)

@@ -9,6 +9,7 @@ Defaults are DeepSpeed 0.19's (file named on each class). Every check raises
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Mapping
 
@@ -142,3 +143,13 @@ def as_number(path: str, v, lo: float = 0.0, below: float | None = None
     rng = f"[{lo}, {below})" if below is not None else f">= {lo}"
     raise ConfigError(f"{path} must be in {rng}, got {v!r}")
   return float(v)
+
+
+def extra_key(path: str, key: str, fields) -> ConfigError:
+  """DeepSpeed 0.19.8's (pydantic's) refusal of an unknown key ``key`` in
+  the section at ``path`` whose keys are ``fields``, naming the closest."""
+  close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)
+  hint = f"; did you mean '{close[0]}'?" if close else ""
+  return ConfigError(f"{path}.{key}: Extra inputs are not permitted (DeepSpeed "
+                     f"0.19.8 rejects it too; the keys are "
+                     f"{', '.join(fields)}){hint}")
