@@ -179,6 +179,7 @@ def test_missing_config_is_named_before_a_used_output_dir(tmp_path, capsys):
   one_line_error(capsys, "missing.json", "no such file")
 
 
+@pytest.mark.slow   # five zero1-train runs into one directory (~35 s)
 def test_resume_with_another_global_batch_says_so(tmp_path, capsys):
   """train_batch_size derived from the micro batch and the devices: resumed
   at 2 devices instead of 4, the global batch halves. It trains on (as
