@@ -30,6 +30,7 @@ from zero1_jax.core import checks as chk
 from zero1_jax.core.batch import batch_size
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
+from zero1_jax.core import offload as ofl
 from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
@@ -122,13 +123,15 @@ def param_shardings(tx: Zero1Transformation, params: Any,
 
 def state_shardings(tx: Zero1Transformation, params: Any,
                     mesh: jax.sharding.Mesh) -> Zero1State:
-  """``NamedSharding``s of ``tx``'s state for ``params`` on ``mesh``."""
+  """``NamedSharding``s of ``tx``'s state for ``params`` on ``mesh`` (with
+  ``offload``, the sharded leaves' memory kind is ``pinned_host``)."""
   require_zero1(tx, "z1.state_shardings")
   pa = param_axes(tx, params, mesh)
   specs = zspecs.state_specs(tx, pax.unbox(params),
                              _axis_size(tx, mesh, "z1.state_shardings"), pa)
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda x: isinstance(x, P))
+  # With offload, the leaves sharded over the data axis in host memory.
+  return ofl.state_shardings(mesh, specs, tx.config.axis_name,
+                             tx.config.offload)
 
 
 def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,

@@ -39,6 +39,7 @@ from zero1_jax.core import checks as chk
 from zero1_jax.core import collectives as col
 from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
+from zero1_jax.core import offload as ofl
 from zero1_jax.core import precision
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core.state import Zero1State, master_tree
@@ -71,6 +72,8 @@ class Zero1Config:
   mesh: Any = dataclasses.field(default=None, compare=False)
   logical_axis_rules: Any = dataclasses.field(default=None, compare=False)
   check_placement: bool = True
+  # "pinned_host": the sharded state lives in host memory (core/offload.py).
+  offload: str | None = None
 
   def inplace_threshold(self, num_shards: int = 2) -> int | None:
     """``inplace_bytes`` resolved: ``"auto"`` is 64 KiB on backends whose
@@ -106,6 +109,9 @@ class Zero1Config:
     if self.clip_rule not in ("optax", "deepspeed"):
       raise ValueError(f"clip_rule must be 'optax' or 'deepspeed', got "
                        f"{self.clip_rule!r}")
+    if self.offload not in (None, ofl.HOST):
+      raise ValueError(f"offload must be None or {ofl.HOST!r}, got "
+                       f"{self.offload!r}")
     if not jnp.issubdtype(self.master_dtype, jnp.floating):
       raise ValueError(f"master_dtype must be floating, got {self.master_dtype}")
 
@@ -171,6 +177,13 @@ def _sum_sq(v) -> jax.Array:
   return jnp.sum(jnp.square(v.astype(jnp.float32)))
 
 
+def _masters_to_host(values: list, layout: lay.Layout) -> list:
+  """Offload: the sharded leaves' master values moved to host memory
+  (those not stored are dropped by ``master_tree`` anyway)."""
+  return [ofl.to_host(v) if v is not None and ofl.on_host(layout, i) else v
+          for i, v in enumerate(values)]
+
+
 def _axis_size(axis_name: str) -> int:
   try:
     return jax.lax.axis_size(axis_name)
@@ -192,7 +205,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
           inplace_bytes: int | None | str = "auto",
           param_specs: Any = None, mesh: Any = None,
           logical_axis_rules: Any = None,
-          check_placement: bool = True) -> Zero1Transformation:
+          check_placement: bool = True,
+          offload: bool | str | None = False) -> Zero1Transformation:
   """Shards ``inner``'s state and the master weights over ``axis_name``.
 
   Args:
@@ -247,6 +261,11 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       ``update`` is placed other than zero1 planned (e.g. replicated by
       shardings derived from the params), with the bytes per device
       (:mod:`zero1_jax.core.placement`).
+    offload: True: the state sharded over the data axis (master shards,
+      moments) lives in pinned host memory between steps and is streamed
+      through the device one group of ``bucket_bytes`` at a time for the
+      update (DeepSpeed's ``offload_optimizer``; :mod:`zero1_jax.core.offload`).
+      Weights are bitwise those of ``offload=False``.
 
   Returns:
     A :class:`Zero1Transformation` (an
@@ -274,7 +293,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                     check_elementwise, clip_rule, inplace_bytes,
                     param_specs=param_specs, mesh=mesh,
                     logical_axis_rules=logical_axis_rules,
-                    check_placement=check_placement)
+                    check_placement=check_placement,
+                    offload=ofl.resolve(offload))
   if max_grad_norm is not None and isinstance(inner, optax.MultiSteps):
     warnings.warn(MULTISTEPS_CLIP, UserWarning, stacklevel=2)
   axis = axis_name
@@ -302,9 +322,13 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
         x = col.local_shard(x, spec, axis)
       shards.append(None if spec.kind == lay.STATIC
                     else jnp.asarray(x).astype(mdt(spec)))
+    inner_state = inner.init(layout.inner_tree(shards))
+    if cfg.offload:   # what is sharded over the data axis, to host memory
+      inner_state = ofl.place_state(
+          inner_state, ofl.owners(inner, layout, cfg.master_dtype), layout)
+      shards = _masters_to_host(shards, layout)
     return Zero1State(master_tree(layout, cfg.master_dtype, shards),
-                      inner.init(layout.inner_tree(shards)),
-                      _loss_scaler(cfg, params).init())
+                      inner_state, _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
     like = params
@@ -414,21 +438,34 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       elif m is None and spec.kind == lay.REPLICATE:
         m = p
       view.append(m)
-    view = layout.inner_tree(view)
-    g_tree = layout.inner_tree([g.get(i) for i in range(len(layout.leaves))])
-    if extra_args:   # forwarded where the inner update takes them
-      updates, new_inner = optax.with_extra_args_support(inner).update(
-          g_tree, state.inner, view, **extra_args)
+    g_list = [g.get(i) for i in range(len(layout.leaves))]
+
+    def inner_step(g_list, inner_state, view):
+      view = layout.inner_tree(view)
+      g_tree = layout.inner_tree(g_list)
+      if extra_args:   # forwarded where the inner update takes them
+        updates, new_inner = optax.with_extra_args_support(inner).update(
+            g_tree, inner_state, view, **extra_args)
+      else:
+        updates, new_inner = inner.update(g_tree, inner_state, view)
+      new_view = optax.apply_updates(view, updates)
+      if scaler.skips_on_overflow:
+        keep = lambda old, new: jax.tree.map(
+            lambda a, b: jnp.where(skipped, a, b), old, new)
+        new_view = keep(view, new_view)
+        new_inner = keep(inner_state, new_inner)
+      return chk.leaves_with_none(new_view), new_inner
+
+    if cfg.offload:   # one group of host-resident state at a time
+      m_leaves, new_inner = ofl.streamed(
+          inner_step, layout, ofl.owners(inner, layout, cfg.master_dtype),
+          g_list, state.inner, view, [m is not None for m in stored],
+          int(cfg.bucket_bytes))
+      kept = _masters_to_host(m_leaves, layout)
     else:
-      updates, new_inner = inner.update(g_tree, state.inner, view)
-    new_view = optax.apply_updates(view, updates)
-    if scaler.skips_on_overflow:
-      keep = lambda old, new: jax.tree.map(
-          lambda a, b: jnp.where(skipped, a, b), old, new)
-      new_view = keep(view, new_view)
-      new_inner = keep(state.inner, new_inner)
-    m_leaves = chk.leaves_with_none(new_view)
-    new_state = Zero1State(master_tree(layout, cfg.master_dtype, m_leaves),
+      m_leaves, new_inner = inner_step(g_list, state.inner, view)
+      kept = m_leaves
+    new_state = Zero1State(master_tree(layout, cfg.master_dtype, kept),
                            new_inner, scaler.update(state.loss_scale, skipped))
 
     # 4. Gather the new weights in the parameter dtype.

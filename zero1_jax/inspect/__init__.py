@@ -81,12 +81,61 @@ def memory(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int]:
   return out
 
 
-def device_bytes(tree: Any, device=None) -> int:
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+HOST_SPACE = "S(5)"   # XLA's host memory space, as a layout prints it
+
+
+def _entry_layout(hlo_text: str) -> tuple[str, str]:
+  """``(arguments, outputs)`` text of the module's entry computation layout."""
+  start = hlo_text.index("entry_computation_layout={") + len(
+      "entry_computation_layout={")
+  depth, i = 1, start
+  while depth:
+    depth += {"{": 1, "}": -1}.get(hlo_text[i], 0)
+    i += 1
+  args, _, outs = hlo_text[start:i - 1].partition(")->")
+  return args, outs
+
+
+def memory_spaces(fn: Callable, *args: Any, **kwargs: Any
+                  ) -> dict[str, dict[str, int]]:
+  """Per-device bytes of a jitted ``fn``'s arguments and outputs by memory
+  space: ``{"device": {"arguments": b, "outputs": b}, "host": {...}}``.
+
+  Read from the compiled module's entry layout, where XLA marks a buffer in
+  host memory ``S(5)``; every backend prints it, while ``memory_analysis()``
+  reports host bytes apart only where host and device memory differ (GPU,
+  TPU: its ``host_*`` fields), and counts them as device bytes on CPU.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> memory_spaces(jax.jit(lambda x: x + 1), jnp.ones(4))
+    {'device': {'arguments': 16, 'outputs': 16}, 'host': {'arguments': 0, 'outputs': 0}}
+  """
+  import math
+  from zero1_jax.inspect.hlo_graph import ITEMSIZE
+  out = {"device": {"arguments": 0, "outputs": 0},
+         "host": {"arguments": 0, "outputs": 0}}
+  for part, text in zip(("arguments", "outputs"),
+                        _entry_layout(_compiled(fn, *args, **kwargs).as_text())):
+    for dt, dims, lay in _ARRAY.findall(text):
+      size = math.prod(int(d) for d in dims.split(",") if d) * ITEMSIZE.get(dt, 4)
+      out["host" if HOST_SPACE in lay else "device"][part] += size
+  return out
+
+
+def device_bytes(tree: Any, device=None, memory_kind: str | None = None
+                 ) -> int:
   """Bytes of ``tree``'s arrays that live on ``device`` (default: the first
-  device any leaf lives on), measured from ``addressable_shards``."""
+  device any leaf lives on), measured from ``addressable_shards``; with
+  ``memory_kind`` (e.g. ``"pinned_host"``: offloaded state), only arrays
+  placed in that memory."""
   total = 0
   for x in __import__("jax").tree.leaves(tree):
     shards = getattr(x, "addressable_shards", None)
+    if memory_kind is not None and getattr(getattr(x, "sharding", None),
+                                           "memory_kind", None) != memory_kind:
+      continue
     if shards is None:
       total += np.asarray(x).nbytes
       continue
