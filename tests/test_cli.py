@@ -137,8 +137,8 @@ def test_own_warnings_are_one_line_each(tmp_path, capsys):
   """A DeepSpeed key zero1_jax cannot honour warns in one line, without
   Python's file:line and source-line noise."""
   cfg = json.load(open(SEED_JSON))
-  cfg.update(train_batch_size=4, comet={"enabled": True})
-  cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+  cfg.update(train_batch_size=4, comet={"enabled": True},
+             memory_breakdown=True)
   assert train_cli(tmp_path, cfg, max_steps=1) == 0
   err = capsys.readouterr().err
   lines = [l for l in err.splitlines() if "not honoured" in l]

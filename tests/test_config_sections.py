@@ -55,12 +55,28 @@ def test_nvme_and_parameter_offload_refused_with_the_reason():
   assert load(zero(offload_param={"device": "none"})).zero.stage == 1
 
 
-def test_valid_cpu_offload_keeps_a_not_honoured_yet_warning():
-  with pytest.warns(NotHonouredWarning, match="offload_optimizer' is "
-                    "recognised but not honoured by zero1_jax: optimizer "
-                    "offload to host memory is not implemented yet"):
-    load(zero(offload_optimizer={"device": "cpu", "pin_memory": True,
-                                 "ratio": 1.0, "buffer_count": 4}))
+def test_cpu_offload_is_honoured_without_a_warning(recwarn, caplog):
+  """offload_optimizer device cpu (and DeepSpeed's deprecated cpu_offload:
+  true, zero/config.py's new_param_fn) turns zero1's offload on: nothing is
+  warned; pin_memory: false says once that the state is pinned anyway."""
+  import logging
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    cfg = load(zero(offload_optimizer={"device": "cpu", "pin_memory": True,
+                                       "ratio": 1.0, "buffer_count": 4}))
+  assert cfg.zero.offload_optimizer == "cpu"
+  assert not [w for w in recwarn if "offload" in str(w.message)]
+  assert "offload" not in caplog.text
+  assert load(zero(cpu_offload=True)).zero.offload_optimizer == "cpu"
+  assert load(zero(cpu_offload=False)).zero.offload_optimizer == "none"
+  assert load(zero()).zero.offload_optimizer == "none"
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    load(zero(offload_optimizer={"device": "cpu", "pin_memory": False}))
+  assert "pinned host memory all the same" in caplog.text
+  from zero1_jax.deepspeed.engine import build_tx
+  tx = build_tx(load({"train_batch_size": 8, "optimizer": {
+      "type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {
+          "stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+  assert tx.config.offload == "pinned_host" and tx.config.stage == 2
 
 
 @pytest.mark.parametrize("section,words", [
@@ -122,6 +138,7 @@ def test_nothing_is_said_about_a_config_that_is_then_rejected(bad):
   config = {"train_batch_size": 8, "cuda_visible_devices": "0",
             "wall_clock_breakdown": True, "vocabulary_size": 8,
             "data_efficiency": {"enabled": True},
+            "memory_breakdown": True,
             "zero_optimization": {"stage": 1, "overlap_comm": True,
                                   "offload_optimizer": {"device": "cpu"},
                                   "stage3_prefetch_bucket_size": "auto"}}

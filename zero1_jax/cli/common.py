@@ -102,8 +102,14 @@ def log_memory(engine, cfg, estimate=None) -> dict:
     print(f"[Rank {r}] Zero Stage {stage}: {what} partitioned")
     unit = "GPU" if d.platform == "gpu" else "device"   # the seed's "per GPU"
     print(f"[Rank {r}] Before: optimizer state {before / _GiB:.4g} GiB per {unit}")
-    print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GiB:.4g} GiB per "
-          f"{unit} (1/{n})")
+    host = inspect.device_bytes(state, d, memory_kind="pinned_host")
+    if host:   # offload_optimizer: the sharded state lives in host memory
+      print(f"[Rank {r}] After : optimizer state {per_rank[r] - host} bytes "
+            f"(counts, scalars) on the {unit}, {host / _GiB:.4g} GiB in pinned "
+            f"host memory for it (offload_optimizer: cpu; 1/{n})")
+    else:
+      print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GiB:.4g} GiB per "
+            f"{unit} (1/{n})")
     if estimate is not None:
       est, cap, _ = estimate
       print(f"[Rank {r}] Estimate: step needs ~{gib(est.per_device)} per {unit} "

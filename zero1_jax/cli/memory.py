@@ -39,12 +39,14 @@ def activation_bytes(mcfg, micro_batch: int, seq_len: int) -> int:
 
 
 def _estimate(num_params: int, mcfg, n: int, mb: int, seq_len: int,
-              stage: int = 1, largest_leaf: int = 0):
+              stage: int = 1, largest_leaf: int = 0,
+              state_on_device: bool = True):
   item = jnp.dtype(mcfg.dtype).itemsize
   return inspect.estimate(
       num_params, n, param_itemsize=item,
-      # Adam's two fp32 moments, plus an fp32 master unless the params are fp32.
-      state_bytes_per_param=8 + (4 if item != 4 else 0),
+      # Adam's two fp32 moments, plus an fp32 master unless the params are
+      # fp32; none with offload_optimizer on an accelerator (host memory).
+      state_bytes_per_param=(8 + (4 if item != 4 else 0)) * state_on_device,
       activation_bytes=activation_bytes(mcfg, mb, seq_len),
       stage=stage, largest_leaf=largest_leaf)
 
@@ -100,7 +102,11 @@ def check(mcfg, init_fn, cfg, mesh, seq_len: int, *, model: str,
   largest = max(sizes, default=0) + sum(s for s in sizes if s < small)
   devices = list(mesh.devices.flat)
   n, mb = len(devices), cfg.train_micro_batch_size_per_gpu
-  zero = dict(stage=zengine.run_stage(cfg), largest_leaf=largest)
+  # On CPU, host and device memory are one: offload saves nothing there.
+  offloaded = (cfg.zero.offload_optimizer == "cpu"
+               and devices[0].platform != "cpu")
+  zero = dict(stage=zengine.run_stage(cfg), largest_leaf=largest,
+              state_on_device=not offloaded)
   est = _estimate(num_params, mcfg, n, mb, seq_len, **zero)
   cap, source = inspect.capacity(devices)
   if est.per_device <= cap or ignore:

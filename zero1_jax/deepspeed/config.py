@@ -66,7 +66,13 @@ class DeepSpeedConfig:
     for k, sec in (("fp16", self.fp16), ("bf16", self.bf16),
                    ("zero_optimization", self.zero)):
       old = out.get(k) if isinstance(out.get(k), dict) else {}
-      out[k] = {**old, **dataclasses.asdict(sec)}
+      new = dataclasses.asdict(sec)
+      if k == "zero_optimization":   # a device name here, a section in JSON
+        device = new.pop("offload_optimizer")
+        if device != "none" and not isinstance(old.get("offload_optimizer"),
+                                                dict):
+          new["offload_optimizer"] = {"device": device}
+      out[k] = {**old, **new}
     out.pop("bfloat16", None)
     for k in ("optimizer", "scheduler"):
       sec = getattr(self, k)
@@ -218,12 +224,28 @@ def _parse_zero(raw: Mapping) -> ZeroConfig:
   if isinstance(d, Mapping) and d.get("legacy_stage1") is True:
     raise ConfigError("zero_optimization.legacy_stage1: the deprecated version "
                       "of ZeRO Stage 1 is not supported in deepspeed >= 0.5.9")
-  vals = _section(raw, "zero_optimization", ZeroConfig)
+  # The optimizer-offload keys are read here, not by _section (not numbers).
+  own = ("offload_optimizer", "cpu_offload")
+  vals = _section({"zero_optimization": {k: v for k, v in d.items()
+                                         if k not in own}}
+                  if isinstance(d, Mapping) else raw,
+                  "zero_optimization", ZeroConfig)
   stage = vals.get("stage", 0)
   if isinstance(d, Mapping):   # DeepSpeed's pydantic checks come first
     for k in ("offload_optimizer", "offload_param"):
       if d.get(k) != "auto":
-        offload.check(k, d.get(k), stage)
+        device = offload.check(k, d.get(k), stage)
+        if k == "offload_optimizer":
+          vals["offload_optimizer"] = device
+    if d.get("cpu_offload") not in (None, "auto"):   # deprecated form
+      if as_bool("zero_optimization.cpu_offload", d["cpu_offload"]) and \
+          vals.get("offload_optimizer", "none") == "none":
+        vals["offload_optimizer"] = "cpu"
+    section = d.get("offload_optimizer")
+    if (vals.get("offload_optimizer") == "cpu" and isinstance(section, Mapping)
+        and not section.get("pin_memory", True)):
+      _PENDING.append(("offload_optimizer.pin_memory", offload.PINNED_ANYWAY,
+                       _NO_EFFECT))
   if stage not in (0, 1, 2):
     raise ConfigError(
         f"zero_optimization.stage={stage} is not supported: zero1_jax "

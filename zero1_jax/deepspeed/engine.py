@@ -106,7 +106,8 @@ def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
       gather_bucket_bytes=int(cfg.zero.allgather_bucket_size) * itemsize,
       max_grad_norm=cfg.gradient_clipping if cfg.gradient_clipping > 0 else None,
       clip_rule="deepspeed",
-      loss_scale=loss_scale_policy(cfg), reduce_dtype=comm)
+      loss_scale=loss_scale_policy(cfg), reduce_dtype=comm,
+      offload=cfg.zero.offload_optimizer == "cpu")
 
 
 class Engine:

@@ -24,8 +24,6 @@ OVERLAP_ON = (
 _TORCH = "PyTorch/CUDA-specific; no equivalent under JAX/XLA"
 _S3 = "only used by ZeRO stage 3"
 _OFF = "no CPU/NVMe offload under XLA"
-_OFF_OPT = ("optimizer offload to host memory is not implemented yet: the "
-            "optimizer state and fp32 master stay on the devices")
 _MON = "DeepSpeed monitoring backend; use jax.profiler / your own logger"
 _NI = "feature not implemented by zero1_jax"
 _PROF = "DeepSpeed timers/profiler; use jax.profiler"
@@ -102,8 +100,6 @@ NOTES: dict[str, tuple[Any, str]] = {
     **{"zero_optimization." + k: (v, _OFF) for k, v in (
         ("offload_param", DICT), ("cpu_offload_param", False),
         ("cpu_offload_use_pin_memory", ANY))},
-    **{"zero_optimization." + k: (v, _OFF_OPT) for k, v in (
-        ("offload_optimizer", DICT), ("cpu_offload", False))},
     **{"zero_optimization." + k: (v, "ZeRO++ / MiCS / ZenFlow: " + _NI)
        for k, v in (("zero_hpz_partition_size", 1),
                     ("zero_quantized_weights", False),

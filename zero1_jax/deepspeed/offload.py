@@ -25,6 +25,10 @@ from typing import Any, Mapping
 from zero1_jax.deepspeed.schema import ConfigError, extra_key
 
 DEVICES = ("none", "cpu", "nvme")
+PINNED_ANYWAY = (
+    "zero_optimization.offload_optimizer.pin_memory=false: zero1_jax keeps the "
+    "offloaded optimizer state in pinned host memory all the same (a jitted "
+    "step reads and writes host memory through JAX's pinned host space)")
 _BOOL, _INT, _UNIT, _PATH, _DEV = "bool", "int>=0", "0<=x<=1", "path", "device"
 # field -> kind, as offload_config.py declares them (defaults do not matter:
 # nothing here reads them).

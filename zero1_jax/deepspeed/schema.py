@@ -75,6 +75,9 @@ class ZeroConfig:
   # fp32: the global gradient norm is computed and a non-finite one skips the
   # step (runtime/zero/stage_1_and_2.py); false needs gradient_clipping 0.
   compute_grad_norm: bool = True
+  # offload_optimizer.device (or the deprecated cpu_offload: true): "cpu"
+  # keeps the sharded optimizer state in pinned host memory (core/offload.py).
+  offload_optimizer: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
