@@ -235,3 +235,66 @@ def test_zero1_train_says_where_the_state_lives(tmp_path, capsys):
   assert after and "GiB in pinned host memory" in after[0], out
   assert "offload_optimizer: cpu" in after[0]
   assert "(counts, scalars) on the device" in after[0]
+
+
+def test_a_program_that_moves_the_state_to_the_device_is_told():
+  """A jit step whose out_shardings name no memory kind (the specs copied
+  from the state, as flax programs derive them) puts the offloaded state
+  back in device memory; the next tx.update says so, with the fix."""
+  mesh4 = mesh(4)
+  with jax.set_mesh(mesh4):
+    tx = z1.zero1(optax.adam(1e-2), axis_name="data", offload=True)
+    p = float_part(odd_params())
+    s = tx.init(p)
+    on_device = jax.tree.map(
+        lambda x: jax.sharding.NamedSharding(mesh4, x.sharding.spec), s)
+
+    def step(p, s, b):
+      u, s = tx.update(jax.grad(loss_fn)(p, b), s, p)
+      return optax.apply_updates(p, u), s
+
+    import warnings
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")   # as tx.init placed it: nothing said
+      p, s = jax.jit(step, out_shardings=(None, on_device))(p, s, batch(16))
+    assert s.inner[0].mu["dense"]["kernel"].sharding.memory_kind == "device"
+    with pytest.warns(UserWarning, match=r"offload=True, but \d+ optimizer-"
+                      r"state leaves .* reached tx.update in device memory.*"
+                      r"memory_kind='pinned_host'"):
+      jax.jit(step)(p, s, batch(16))
+
+
+def test_2d_mesh_tensor_parallel_params_offload_bitwise():
+  """("data", "model") mesh, params sharded over "model": the state's
+  blocks split over "data" go to the host, and training is bitwise the
+  non-offloaded 2-D run."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  msh = jax.make_mesh((2, 2), ("data", "model"),
+                      axis_types=(AxisType.Auto,) * 2,
+                      devices=jax.devices()[:4])
+  r = np.random.default_rng(0)
+  params = {"w1": jnp.asarray(r.normal(size=(5, 8)), jnp.float32),
+            "w2": jnp.asarray(r.normal(size=(8, 3)), jnp.bfloat16)}
+  specs = {"w1": P(None, "model"), "w2": P("model", None)}
+  placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(msh, s)),
+                        params, specs)
+
+  def loss2(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"])
+    return jnp.mean((h @ p["w2"].astype(jnp.float32) - b["y"]) ** 2)
+
+  out = {}
+  for offload in (True, False):
+    tx = z1.zero1(optax.adam(1e-2), axis_name="data", offload=offload,
+                  bucket_bytes=64)
+    p, s = z1.init(tx, placed, msh)
+    step = z1.train_step(loss2, tx, msh)
+    for i in range(3):
+      b = batch(16, seed=i)
+      p, s, _ = step(p, s, {"x": b["x"], "y": b["y"]})
+    out[offload] = (p, s)
+    if offload:
+      kinds = _kinds(s)
+      assert kinds.inner[0].mu["w1"] == HOST and kinds.master["w2"] == HOST
+      assert p["w1"].sharding.spec == P(None, "model")
+  assert_equal(out[True][0], out[False][0], "2-D")

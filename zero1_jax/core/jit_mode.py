@@ -49,6 +49,7 @@ from zero1_jax.core import collectives as col
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
 from zero1_jax.core import layout as lay
+from zero1_jax.core import offload as ofl
 from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import placement
@@ -351,6 +352,8 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
   s_specs = zspecs.state_specs(tx, params, n, pa)
   if tx.config.check_placement:
     state = placement.check(state, s_specs, sizes, axis)
+    if tx.config.offload:
+      ofl.check_placed(state, s_specs, axis)
   leaves, treedef = jax.tree.flatten(extra_args or {})
   is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
   arrays = [x for x, a in zip(leaves, is_array) if a]

@@ -209,3 +209,32 @@ def state_shardings(mesh: Any, specs: Any, axis: str,
       jax.tree.map(one(host), specs.master, is_leaf=is_spec),
       jax.tree.map(one(host), specs.inner, is_leaf=is_spec),
       jax.tree.map(one(device), specs.loss_scale, is_leaf=is_spec))
+
+
+UNDONE = (
+    "zero1: offload=True, but {count} optimizer-state leaves sharded over the "
+    "data axis (e.g. {where}) reached tx.update in device memory: the program "
+    "placed them there (jit out_shardings / in_shardings without "
+    "memory_kind), so the state takes device memory again. Place the state "
+    "as tx.init returned it: shardings taken from the state itself "
+    "(jax.tree.map(lambda x: x.sharding, opt_state)), or "
+    "NamedSharding(mesh, spec, memory_kind='pinned_host') for those leaves "
+    "(z1.state_shardings(tx, params, mesh) gives them).")
+
+
+def check_placed(state: Any, specs: Any, axis: str) -> None:
+  """Warns (:data:`UNDONE`) when leaves planned for host memory arrive in
+  device memory (read from the arrays, or the tracers' memory space)."""
+  import warnings
+  from jax.sharding import PartitionSpec as P
+  got = jax.tree_util.tree_flatten_with_path(state._replace(loss_scale=None))[0]
+  want = jax.tree.leaves(specs._replace(loss_scale=None),
+                         is_leaf=lambda x: isinstance(x, P))
+  wrong = ["opt_state" + jax.tree_util.keystr(path)
+           for (path, x), s in zip(got, want)
+           if axis in _names(s)
+           and getattr(jax.typeof(x), "memory_space",
+                       None) == jax.memory.Space.Device]
+  if wrong:
+    warnings.warn(UNDONE.format(count=len(wrong), where=wrong[0]),
+                  UserWarning, stacklevel=5)
