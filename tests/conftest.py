@@ -22,6 +22,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 
+# The elementwise verdicts' disk cache (core/verdicts.py) in a directory of
+# this run's own, shared by the workers and subprocesses like the XLA cache:
+# a verdict left in ~/.cache by an earlier run (or another checkout) never
+# decides a test here.
+if "ZERO1_VERDICT_CACHE" not in os.environ:
+  _verdicts = tempfile.mkdtemp(prefix="zero1_jax_test_verdicts_")
+  atexit.register(shutil.rmtree, _verdicts, ignore_errors=True)
+  os.environ["ZERO1_VERDICT_CACHE"] = _verdicts
+
 # What the CLI reads from the host is pinned: the memory each simulated
 # device may use (zero1-train's fit check and its suggestions) would
 # otherwise follow the host's free RAM at that moment. 22 GiB shared by 8

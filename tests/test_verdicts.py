@@ -98,3 +98,70 @@ def test_what_a_value_cannot_pin_down_is_checked_every_time(monkeypatch):
   for _ in range(2):
     ew.check_elementwise(optax.adam(Schedule()), PARAMS, 4)
   assert len(ran) == 2
+
+
+def _memory_only_forget():
+  verdicts._VERDICTS.clear()
+
+
+def test_a_later_process_finds_the_verdict_on_disk(monkeypatch):
+  """The disk cache: with this process's memory emptied (as in a new
+  process), an equal check reads the verdict from its file; a refusal
+  keeps its reason word for word."""
+  ew.check_elementwise(optax.adamw(1e-3), PARAMS, 4)
+  with pytest.raises(ew.Refused) as first:
+    ew.check_elementwise(optax.lamb(1e-3), PARAMS, 4)
+  assert len(list(verdicts.cache_dir().glob("*.json"))) == 2
+  _memory_only_forget()
+  ran = checks(monkeypatch)
+  ew.check_elementwise(optax.adamw(1e-3), PARAMS, 4)
+  with pytest.raises(ew.Refused) as again:
+    ew.check_elementwise(optax.lamb(1e-3), PARAMS, 4)
+  assert ran == [] and str(again.value) == str(first.value)
+
+
+def test_another_check_source_or_version_misses(monkeypatch):
+  """The file name hashes the check's own source and the versions: a
+  changed check (another zero1, a planted bug) never reads an old verdict."""
+  ew.check_elementwise(optax.adamw(1e-3), PARAMS, 4)
+  _memory_only_forget()
+  monkeypatch.setattr(verdicts, "_salt", lambda: "another check")
+  ran = checks(monkeypatch)
+  ew.check_elementwise(optax.adamw(1e-3), PARAMS, 4)
+  assert len(ran) == 1
+
+
+def test_unreadable_or_disabled_cache_is_a_miss(monkeypatch, tmp_path):
+  monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path))
+  ew.check_elementwise(optax.adamw(1e-3), PARAMS, 4)
+  (f,) = tmp_path.glob("*.json")
+  f.write_text("{not json")
+  _memory_only_forget()
+  ran = checks(monkeypatch)
+  ew.check_elementwise(optax.adamw(1e-3), PARAMS, 4)   # no error: checked
+  assert len(ran) == 1
+  monkeypatch.setenv(verdicts.CACHE_ENV, "0")
+  assert verdicts.cache_dir() is None
+  verdicts.forget()
+  ew.check_elementwise(optax.sgd(1e-3), PARAMS, 4)
+  assert len(ran) == 2 and len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_two_processes_check_once(tmp_path):
+  """Two real processes: the second's check is never run (it would raise)."""
+  import subprocess
+  import sys
+  code = (
+      "import sys, jax.numpy as jnp, optax\n"
+      "from zero1_jax.core import elementwise as ew\n"
+      "if sys.argv[1] == 'second':\n"
+      "  ew.jaxpr_reason = lambda *a: (_ for _ in ()).throw(AssertionError("
+      "'checked again'))\n"
+      "ew.check_elementwise(optax.adamw(1e-3, weight_decay=0.1),\n"
+      "  {'k': jnp.zeros((64, 32)), 'b': jnp.zeros(32)}, 4)\n"
+      "print('ok')\n")
+  env = {**__import__("os").environ, verdicts.CACHE_ENV: str(tmp_path)}
+  for which in ("first", "second"):
+    r = subprocess.run([sys.executable, "-c", code, which], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout, (which, r.stderr[-2000:])

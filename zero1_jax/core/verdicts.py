@@ -15,6 +15,16 @@ does not pin down (an object of an unknown class, a tracer, a jitted
 function), there is no key and the check runs as before: a miss costs the
 check, never a wrong verdict.
 
+Verdicts are also kept on disk, one small file per key (under
+``$ZERO1_VERDICT_CACHE``, default ``~/.cache/zero1_jax/verdicts``;
+``ZERO1_VERDICT_CACHE=0`` turns it off), so a later process skips the check
+too: on bert-large's tree a start drops from the check's seconds to a
+file read. The file name hashes the key together with the versions of
+Python, jax and optax and the source of the check itself (this module,
+:mod:`.elementwise`, :mod:`.jaxpr_check`, :mod:`.layout`): a change to any
+of them misses. A file that cannot be read or written is a miss, never an
+error.
+
 Example:
   >>> import optax
   >>> key(optax.adam(1e-3)) == key(optax.adam(1e-3))
@@ -28,6 +38,10 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import json
+import os
+import pathlib
+import sys
 import types
 from typing import Any, Hashable
 
@@ -147,21 +161,90 @@ def key(inner: Any, layout: Any = None, dtype: Any = None) -> Hashable | None:
     return None
 
 
+CACHE_ENV = "ZERO1_VERDICT_CACHE"   # a directory, or "0": no disk cache
+
+
+def cache_dir() -> pathlib.Path | None:
+  """Where verdicts are kept across processes, or None (turned off)."""
+  v = os.environ.get(CACHE_ENV)
+  if v == "0":
+    return None
+  if v:
+    return pathlib.Path(v)
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "zero1_jax" / "verdicts"
+
+
+@functools.lru_cache(maxsize=1)
+def _salt() -> str:
+  """What else a verdict depends on: the versions and the check's source."""
+  import jax
+  import optax
+  from zero1_jax.core import elementwise, jaxpr_check, layout
+  h = hashlib.sha256(repr((sys.version, jax.__version__,
+                           optax.__version__)).encode())
+  for m in (sys.modules[__name__], elementwise, jaxpr_check, layout):
+    h.update(pathlib.Path(m.__file__).read_bytes())
+  return h.hexdigest()
+
+
+def _file(k: Hashable) -> pathlib.Path | None:
+  d = cache_dir()
+  if d is None:
+    return None
+  name = hashlib.sha256(repr(k).encode() + _salt().encode()).hexdigest()
+  return d / f"{name}.json"
+
+
 def remembered(k: Hashable | None) -> tuple[bool, str | None]:
-  """``(found, verdict)``: the reason of a refusal, None for accepted."""
-  if k is None or k not in _VERDICTS:
-    return False, None
-  return True, _VERDICTS[k]
-
-
-def remember(k: Hashable | None, why: str | None) -> None:
+  """``(found, verdict)``: the reason of a refusal, None for accepted;
+  from this process's memory, else from the disk cache."""
   if k is None:
-    return
+    return False, None
+  if k in _VERDICTS:
+    return True, _VERDICTS[k]
+  try:
+    path = _file(k)
+    rec = json.loads(path.read_text()) if path is not None else None
+  except (OSError, ValueError):
+    rec = None
+  if not isinstance(rec, dict) or "verdict" not in rec:
+    return False, None
+  _keep(k, rec["verdict"])
+  return True, rec["verdict"]
+
+
+def _keep(k: Hashable, why: str | None) -> None:
   if len(_VERDICTS) >= _MAX:
     _VERDICTS.pop(next(iter(_VERDICTS)))
   _VERDICTS[k] = why
 
 
+def remember(k: Hashable | None, why: str | None) -> None:
+  if k is None:
+    return
+  _keep(k, why)
+  try:
+    path = _file(k)
+    if path is None:
+      return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"verdict": why}))
+    os.replace(tmp, path)   # whole or absent, for a concurrent reader
+  except OSError:
+    pass   # a read-only or full disk: the check runs again next time
+
+
 def forget() -> None:
-  """Drops every remembered verdict (tests that change the check itself)."""
+  """Drops every remembered verdict, in memory and in the disk cache (tests
+  that change the check itself)."""
   _VERDICTS.clear()
+  d = cache_dir()
+  if d is not None and d.is_dir():
+    for f in d.glob("*.json"):
+      try:
+        f.unlink()
+      except OSError:
+        pass
