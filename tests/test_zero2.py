@@ -319,7 +319,7 @@ def test_plain_jit_init_says_stage2_trains_as_stage1():
   params = {"w": jnp.full((8, 3), 0.5), "b": jnp.zeros(3)}
   with jax.set_mesh(mesh(4)):
     with pytest.warns(UserWarning, match=r"z1.zero2 in plain jax.jit .* "
-                      r"trains as z1.zero1.*Stage 2 takes z1.train_step"):
+                      r"trains as z1.zero1.*For stage 2 here, take the gradients from z1.value_and_grad"):
       z1.zero2(optax.adam(1e-2), axis_name="data").init(params)
     import warnings
     with warnings.catch_warnings():

@@ -32,6 +32,8 @@ _SOURCES = {
                      "Zero1Transformation", "loss_scale", "zero1"),
                     "zero1_jax.core.transform"),
     "zero2": "zero1_jax.core.zero2",
+    **dict.fromkeys(("value_and_grad", "grad"), "zero1_jax.core.grad"),
+    "ShardedGrads": "zero1_jax.core.sharded_grads",
     **dict.fromkeys(("ConfigError", "DeepSpeedConfig", "Engine", "initialize",
                      "load_config"), "zero1_jax.deepspeed"),
 }
@@ -66,6 +68,8 @@ if TYPE_CHECKING:   # what the names are, for type checkers and IDEs
   from zero1_jax.core.transform import (StepInfo, Zero1Config, Zero1State,
                                         Zero1Transformation, loss_scale, zero1)
   from zero1_jax.core.zero2 import zero2
+  from zero1_jax.core.grad import grad, value_and_grad
+  from zero1_jax.core.sharded_grads import ShardedGrads
   from zero1_jax.deepspeed import (ConfigError, DeepSpeedConfig, Engine,
                                    initialize, load_config)
 
@@ -76,6 +80,6 @@ __all__ = [
     "deepspeed", "distributed", "flax", "from_optax_state", "init", "initialize", "inner_state", "inspect",
     "load_config", "loss_scale", "plan", "reduced_params", "specs",
     "state_shardings",
-    "train_step", "zero1", "zero2",
+    "train_step", "zero1", "zero2", "value_and_grad", "grad", "ShardedGrads",
 ]
 __version__ = "0.1.0"

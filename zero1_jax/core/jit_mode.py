@@ -54,10 +54,12 @@ from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import placement
 from zero1_jax.core import specs as zspecs
+from zero1_jax.core.sharded_grads import ShardedGrads
 
 LOCAL = "local"        # this device's own gradient inside shard_map: sum, then / N
 PARTIAL = "partial"    # jit's unreduced pieces: they sum to the gradient
 REDUCED = "reduced"    # jit's reduced gradient: already whole on every device
+SHARDS = "shards"      # z1.value_and_grad's ShardedGrads: summed shards, then / N
 
 
 def axis_bound(axis: str) -> bool:
@@ -252,9 +254,11 @@ def _typed(axis: str, field: str) -> Callable[[Any], str | None]:
 # plain jax.jit code takes jax.grad's gradients as they come.
 STAGE2_AS_STAGE1 = (
     "z1.zero2 in plain jax.jit or eager code (TrainState, nnx.Optimizer) "
-    "trains as z1.zero1: the gradients are reduced after jax.grad, not "
-    "sharded inside the backward pass. Stage 2 takes z1.train_step; use "
-    "z1.zero1 here to say so.")
+    "trains as z1.zero1 on gradients from jax.grad: they were reduced after "
+    "the backward, not sharded inside it. For stage 2 here, take the "
+    "gradients from z1.value_and_grad(loss, tx) (reduce-scattered leaf by "
+    "leaf in the backward), or use z1.train_step; with jax.grad, use "
+    "z1.zero1 to say so.")
 
 
 FP16_NEEDS_SCALE = (
@@ -323,6 +327,12 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   return boxes.box_state(state, specs, like, rules)
 
 
+SHARDED_2D = (
+    "zero1: z1.value_and_grad's gradients on params sharded over other mesh "
+    "axes (a 2-D mesh) are not supported yet: use jax.value_and_grad there "
+    "(tx.update reduces its gradients).")
+
+
 def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
            extra_args: dict | None = None) -> tuple[Any, Any]:
   """``tx.update(grads, state, params)`` outside shard_map, on the gradients
@@ -345,9 +355,17 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
   grads, state, params = boxes.strip((grads, state, params))
   layout = lay.plan(params if pa is None else pa.local_tree(params), n,
                     None if pa is None else pa.taken)
-  mode = grads_mode(grads, layout, axis)
-  g_field = "unreduced" if mode == PARTIAL else None
-  g_specs = _in_specs(grads, pa, axis, lambda _: g_field, sizes)
+  if isinstance(grads, ShardedGrads):   # z1.value_and_grad: reduced already
+    if pa is not None:
+      raise ValueError(SHARDED_2D)
+    mode, grads = SHARDS, grads.tree
+    g_specs = layout.treedef.unflatten(
+        [None if s.kind == lay.STATIC else zspecs.leaf_spec(s, axis)
+         for s in layout.leaves])
+  else:
+    mode = grads_mode(grads, layout, axis)
+    g_field = "unreduced" if mode == PARTIAL else None
+    g_specs = _in_specs(grads, pa, axis, lambda _: g_field, sizes)
   p_specs = _in_specs(params, pa, axis, _typed(axis, "reduced"), sizes)
   s_specs = zspecs.state_specs(tx, params, n, pa)
   if tx.config.check_placement:

@@ -36,7 +36,7 @@ def state_specs(tx: Any, params: Any, num_shards: int,
   mdt = tx.config.master_dtype
   if param_axes is None:
     layout = lay.plan(params, num_shards)
-    spec = lambda i: _leaf_spec(layout.leaves[i], axis)
+    spec = lambda i: leaf_spec(layout.leaves[i], axis)
   else:
     layout = lay.plan(param_axes.local_tree(params), num_shards,
                       param_axes.taken)
@@ -49,5 +49,6 @@ def state_specs(tx: Any, params: Any, num_shards: int,
   return Zero1State(master, inner, ls)
 
 
-def _leaf_spec(s: lay.LeafSpec, axis: str) -> P:
+def leaf_spec(s: lay.LeafSpec, axis: str) -> P:
+  """A sharded leaf's state spec (the data axis on its shard dim); P() else."""
   return _spec(s.dim, len(s.shape), axis) if s.kind == lay.SHARD else P()

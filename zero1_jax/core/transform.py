@@ -243,6 +243,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
   def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL,
                *, pre_reduced: bool = False, param_axes=None,
                extra_args: dict | None = None):
+    if grads_are == jm.SHARDS:   # z1.value_and_grad's: reduced in the backward
+      grads_are, pre_reduced = jm.LOCAL, True
     pa = axes_of(params, param_axes)
     layout = layout_of(params, pa)
     n = layout.num_shards

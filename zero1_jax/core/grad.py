@@ -1,0 +1,149 @@
+"""``z1.value_and_grad`` / ``z1.grad``: jax's, with the gradients
+reduce-scattered inside the backward, for plain ``jax.jit`` programs.
+
+Under plain ``jax.jit`` with replicated params, ``jax.grad`` returns the
+whole reduced gradient: jit's partitioner all-reduces it (2 Psi of traffic
+per device in the ZeRO paper's units), and zero1's update then all-gathers
+the weights (Psi): 1.5x data parallelism's bytes. These functions take the
+user's loss as ``jax.value_and_grad`` does and run it per device over the
+data axis (a ``shard_map`` inside the user's jit, the other mesh axes left
+to the partitioner), differentiating through ZeRO-2's hooks
+(:func:`zero1_jax.core.zero2.reduced_grad_fn`): each leaf's gradient (or
+group of small leaves) is reduce-scattered as the backward produces it, so
+the step moves reduce-scatter Psi + all-gather Psi, as ``z1.train_step`` and
+DeepSpeed do. The gradients come back as :class:`ShardedGrads`, each
+device's summed shard, for ``tx.update`` (``TrainState.apply_gradients``).
+
+Stock Flax layers work unchanged: the params are ordinary replicated arrays
+(unlike :func:`zero1_jax.reduced_params`, whose reduced-typed params JAX
+refuses to add to sharded activations).
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, zero1_jax as z1
+  >>> mesh = jax.make_mesh((1,), ("data",))
+  >>> tx = z1.zero1(optax.sgd(0.5), axis_name="data")
+  >>> loss = lambda p, x: jnp.mean(x @ p["w"])
+  >>> with jax.set_mesh(mesh):
+  ...   params = {"w": jnp.ones(3)}
+  ...   state = tx.init(params)
+  ...   value, grads = jax.jit(z1.value_and_grad(loss, tx))(params, jnp.ones((2, 3)))
+  ...   updates, state = tx.update(grads, state, params)
+  >>> float(value), [float(u) for u in updates["w"]]
+  (3.0, [-0.5, -0.5, -0.5])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from zero1_jax.core import empty_leaves
+from zero1_jax.core import jit_mode as jm
+from zero1_jax.core import layout as lay
+from zero1_jax.core import param_axes as pax
+from zero1_jax.core import specs as zspecs
+from zero1_jax.core import zero2
+from zero1_jax.core.sharded_grads import ShardedGrads
+from zero1_jax.core.tx_config import Zero1Transformation
+
+NOT_ZERO1 = ("z1.value_and_grad(fun, tx): tx must be the transformation "
+             "z1.zero1(...) or z1.zero2(...) returns (its layout decides the "
+             "shards), got {got}.")
+
+
+def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
+                   has_aux: bool = False,
+                   batch_argnums: Sequence[int] = (1,)) -> Callable:
+  """``jax.value_and_grad(fun, has_aux=has_aux)`` for ``tx``'s training:
+  ``f(params, *args) -> (value, grads)`` (``((value, aux), grads)`` with
+  ``has_aux``).
+
+  Args:
+    fun: ``fun(params, *args)`` -> the scalar mean loss over the batch it is
+      given (or ``(loss, aux)``), as for ``jax.value_and_grad``.
+    tx: from :func:`zero1_jax.zero1` (small leaves packed into buckets, as
+      its update reduces them) or :func:`zero1_jax.zero2` (large leaves
+      reduce-scattered alone, as the backward produces them).
+    has_aux: ``fun`` returns ``(loss, aux)``; aux is averaged over the
+      devices, as ``value`` is.
+    batch_argnums: positions (in ``(params, *args)``) of the arguments split
+      over the data axis on their leading dim: the batch. Other arguments
+      (an RNG key, a step) are handed whole to every device.
+
+  Returns:
+    ``f``: runs under ``jax.jit`` (or eagerly) with a mesh set by
+    ``jax.set_mesh`` or carried by the arguments. ``value`` is the loss of
+    the whole batch (the mean of the devices' means); ``grads`` is a
+    :class:`ShardedGrads` that only ``tx.update`` reads.
+
+  Raises:
+    TypeError: ``tx`` is not zero1's.
+    ValueError: params sharded over other mesh axes (2-D meshes), or a
+      batch not divisible over the data axis.
+  """
+  if not isinstance(tx, Zero1Transformation):
+    raise TypeError(NOT_ZERO1.format(got=type(tx).__qualname__))
+  cfg = tx.config
+  axis = cfg.axis_name
+  argnums = tuple(int(i) for i in batch_argnums)
+  if 0 in argnums:
+    raise ValueError("batch_argnums: position 0 is the params")
+
+  def f(params, *args):
+    mesh, where = jm.find_mesh(axis, params, *args, fallback=cfg.mesh)
+    n = where.shape[axis]
+    if pax.resolve(params, dict(where.shape), axis, cfg.param_specs) is not None:
+      raise ValueError(jm.SHARDED_2D)
+    layout = lay.plan(params, n)
+
+    def per_device(p, *a):
+      def loss_of(q, a):
+        out = fun(q, *a)
+        loss, aux = out if has_aux else (out, None)
+        return loss, (loss, aux)
+      g, (loss, aux) = zero2.reduced_grad_fn(loss_of, p, cfg, n)(a)
+      aux = None if aux is None else jax.lax.pmean(aux, axis)
+      return jax.lax.pmean(loss, axis), aux, g
+
+    args = tuple(jax.tree.map(lambda x: _split(x, mesh, where, axis), a)
+                 if i + 1 in argnums else a for i, a in enumerate(args))
+    in_specs = (jax.tree.map(lambda _: P(), params),) + tuple(
+        jax.tree.map(lambda _: P(axis) if i + 1 in argnums else P(), a)
+        for i, a in enumerate(args))
+    g_specs = layout.treedef.unflatten(
+        [None if s.kind == lay.STATIC else zspecs.leaf_spec(s, axis)
+         for s in layout.leaves])
+    loss, aux, grads = empty_leaves.shard_map(
+        per_device, mesh=mesh, in_specs=in_specs,
+        out_specs=(P(), P(), g_specs), axis_names={axis},
+        check_vma=False)(params, *args)
+    value = (loss, aux) if has_aux else loss
+    return value, ShardedGrads(grads)
+
+  return f
+
+
+def _split(x, mesh, where, axis: str):
+  """A batch leaf placed split over ``axis`` on its leading dim (on an
+  Explicit axis a reshard, on an Auto one a sharding constraint)."""
+  kind = dict(zip(where.axis_names, where.axis_types))[axis]
+  target = P(axis) if mesh is None else jax.sharding.NamedSharding(mesh, P(axis))
+  if kind == jax.sharding.AxisType.Explicit:
+    return jax.sharding.reshard(x, target)
+  return jax.lax.with_sharding_constraint(x, target)
+
+
+def grad(fun: Callable, tx: Zero1Transformation, *, has_aux: bool = False,
+         batch_argnums: Sequence[int] = (1,)) -> Callable:
+  """``jax.grad`` for ``tx``'s training: ``f(params, *args) -> grads`` (or
+  ``(grads, aux)``), the gradients reduce-scattered in the backward, as
+  :func:`value_and_grad`."""
+  vg = value_and_grad(fun, tx, has_aux=has_aux, batch_argnums=batch_argnums)
+
+  def f(params, *args):
+    value, grads = vg(params, *args)
+    return (grads, value[1]) if has_aux else grads
+
+  return f
