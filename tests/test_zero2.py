@@ -312,16 +312,27 @@ def test_small_leaves_share_a_collective_large_ones_go_alone():
       ["['big']"], ["['s1']"], ["['s2']"], ["['s3']"], ["['g']", "['h']"]]
 
 
-def test_plain_jit_init_says_stage2_trains_as_stage1():
-  """Stage 2 is a hook in z1.train_step's backward; in a TrainState /
-  nnx.Optimizer loop (tx.init under a mesh) zero2 reduces after jax.grad,
-  as zero1: same weights, and its init says so (it said nothing)."""
+def test_plain_jit_update_says_stage2_trains_as_stage1():
+  """Stage 2 is a hook in the backward (z1.train_step, z1.value_and_grad);
+  handed jax.grad's gradients in a TrainState / nnx.Optimizer loop, zero2
+  reduces after the backward, as zero1: same weights, and its update says
+  so (it said nothing). With z1.value_and_grad's gradients, or zero1,
+  nothing is said."""
+  import warnings
   params = {"w": jnp.full((8, 3), 0.5), "b": jnp.zeros(3)}
+  f = lambda p, x: jnp.mean(x @ p["w"] + p["b"])
+  x = jnp.ones((8, 8))
   with jax.set_mesh(mesh(4)):
-    with pytest.warns(UserWarning, match=r"z1.zero2 in plain jax.jit .* "
-                      r"trains as z1.zero1.*For stage 2 here, take the gradients from z1.value_and_grad"):
-      z1.zero2(optax.adam(1e-2), axis_name="data").init(params)
-    import warnings
+    tx = z1.zero2(optax.adam(1e-2), axis_name="data")
     with warnings.catch_warnings():
       warnings.simplefilter("error")
-      z1.zero1(optax.adam(1e-2), axis_name="data").init(params)
+      state = tx.init(params)
+      tx.update(z1.grad(f, tx)(params, x), state, params)
+    with pytest.warns(UserWarning, match=r"z1.zero2 in plain jax.jit .* "
+                      r"trains as z1.zero1.*For stage 2 here, take the "
+                      r"gradients from z1.value_and_grad"):
+      tx.update(jax.grad(f)(params, x), state, params)
+    tx1 = z1.zero1(optax.adam(1e-2), axis_name="data")
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      tx1.update(jax.grad(f)(params, x), tx1.init(params), params)

@@ -305,8 +305,6 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   off = _off_mesh(mesh, {"params": params})
   if off:
     warnings.warn(_place_first(off, axis), stacklevel=3)
-  if tx.config.stage == 2:
-    warnings.warn(STAGE2_AS_STAGE1, UserWarning, stacklevel=3)
   pa = _param_axes(tx, params, where)
   like = params if like is None else like
   params = boxes.strip(params)
@@ -363,6 +361,8 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
         [None if s.kind == lay.STATIC else zspecs.leaf_spec(s, axis)
          for s in layout.leaves])
   else:
+    if tx.config.stage == 2:   # jax.grad's gradients: reduced after the backward
+      warnings.warn(STAGE2_AS_STAGE1, UserWarning, stacklevel=4)
     mode = grads_mode(grads, layout, axis)
     g_field = "unreduced" if mode == PARTIAL else None
     g_specs = _in_specs(grads, pa, axis, lambda _: g_field, sizes)
