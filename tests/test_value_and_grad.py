@@ -24,7 +24,7 @@ import zero1_jax as z1
 from zero1_jax import inspect as zinspect
 from zero1_jax.core import layout as lay
 
-from helpers import assert_close, assert_equal, mesh
+from helpers import assert_close, mesh
 from tolerances import FP32_REORDER, FP32_SCALAR_REORDER
 
 
@@ -120,10 +120,13 @@ def test_the_step_moves_ddp_bytes(runs):
   assert traffic(ours) < traffic(theirs)
 
 
-def test_zero2_in_plain_jit_is_bitwise_its_train_step():
+def test_zero2_in_plain_jit_trains_as_its_train_step():
   """With z1.zero2 each leaf is reduce-scattered alone in the backward, as
-  z1.train_step's stage 2 does: the same hooks on the same local gradients,
-  so the same weights bit for bit."""
+  z1.train_step's stage 2 does: the same hooks on the same local gradients.
+  The two programs around them differ (the user's jit with a shard_map over
+  the data axis inside, against train_step's), so XLA may fuse the backward
+  differently: FP32_REORDER. Measured: bitwise on jax 0.10.2, 1 ulp in 1 of
+  85 weights on jax 0.12."""
   p_jit, _, _ = _train("zero1", make=lambda o, **k: z1.zero2(
       o, inplace_bytes=0, **k), steps=3)
   tx = z1.zero2(optax.adam(1e-2), axis_name="data", inplace_bytes=0)
@@ -132,7 +135,7 @@ def test_zero2_in_plain_jit_is_bitwise_its_train_step():
   step = z1.train_step(lambda q, b: loss(q, *b), tx, mesh(N))
   for b in _batches(3):
     p, s, _ = step(p, s, b)
-  assert_equal(p_jit, p, "zero2 plain jit vs train_step")
+  assert_close(p_jit, p, FP32_REORDER, "zero2 plain jit vs train_step")
 
 
 def test_grad_has_aux_and_argument_checks():
