@@ -298,3 +298,28 @@ def test_2d_mesh_tensor_parallel_params_offload_bitwise():
       assert kinds.inner[0].mu["w1"] == HOST and kinds.master["w2"] == HOST
       assert p["w1"].sharding.spec == P(None, "model")
   assert_equal(out[True][0], out[False][0], "2-D")
+
+
+def test_fp16_overflow_skips_keep_the_host_state_bitwise():
+  """fp16 params under the dynamic loss scale (2^16 first: the first steps
+  overflow and are skipped): a skipped step keeps the old master and moments,
+  read back from the host group by group, exactly as without offload."""
+  def run(offload):
+    tx = z1.zero1(optax.adam(1e-2), axis_name="data", offload=offload,
+                  bucket_bytes=64)
+    p = jax.tree.map(lambda x: x.astype(jnp.float16)
+                     if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                     odd_params())
+    params, state = z1.init(tx, p, mesh(4))
+    step = z1.train_step(loss_fn, tx, mesh(4))
+    skipped = []
+    for i in range(4):
+      params, state, m = step(params, state, batch(16, seed=i))
+      skipped.append(bool(m["skipped"]))
+    return params, state, skipped
+  p_off, s_off, sk_off = run(True)
+  p_dev, s_dev, sk_dev = run(False)
+  assert sk_off == sk_dev and any(sk_dev) and not all(sk_dev), sk_dev
+  assert_equal(float_part(p_off), float_part(p_dev), "fp16")
+  assert_equal(jax.tree.map(np.asarray, s_off.master),
+               jax.tree.map(np.asarray, s_dev.master), "masters")
