@@ -209,3 +209,26 @@ def test_nnx_optimizer_checkpoint_restores_at_another_n(tmp_path):
   assert_close(got, want, FP32_REORDER, "nnx resumed at N=2 ")
   with pytest.raises(ValueError, match="pass the optimizer's opt_state"):
     z1flax.assign(opt2.opt_state, {"a": jnp.zeros(2)})
+
+
+def test_nnx_optimizer_sharding_metadata_is_said_not_applied():
+  """A param whose ``optimizer_sharding`` asks for its state to be placed
+  unlike the param: zero1's placement (its sharding + the data axis)
+  replaces it, and tx.init says so once, naming the param and the key. A
+  param without it, or with it equal to its own sharding, is quiet."""
+  import warnings
+  msh = jax.make_mesh((4, 2), ("data", "model"))
+  with jax.set_mesh(msh):
+    asks = nnx.Linear(8, 4, rngs=nnx.Rngs(0), kernel_metadata={
+        "out_sharding": (None, "model"), "optimizer_sharding": (None, None)})
+    with pytest.warns(UserWarning, match=r"1 param\(s\) carry nnx's "
+                      r"optimizer-sharding metadata .*\['kernel'\]: "
+                      r"optimizer_sharding=\(None, None\).* not applied"):
+      nnx.Optimizer(asks, z1.zero1(optax.adam(1e-2), axis_name="data"),
+                    wrt=nnx.Param)
+    same = nnx.Linear(8, 4, rngs=nnx.Rngs(0), kernel_metadata={
+        "out_sharding": (None, "model"), "optimizer_sharding": (None, "model")})
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      nnx.Optimizer(same, z1.zero1(optax.adam(1e-2), axis_name="data"),
+                    wrt=nnx.Param)

@@ -170,6 +170,36 @@ def _param_boxes(like: Any) -> list[tuple[str, Any]]:
   return [(jax.tree_util.keystr(p), x) for p, x in flat if _wrapped(x)]
 
 
+OPTIMIZER_SHARDING = (
+    "zero1: {count} param(s) carry nnx's optimizer-sharding metadata (e.g. "
+    "{where}: {key}={value!r}), which asks for their optimizer state to be "
+    "placed unlike the param. zero1 places that state itself: the param's "
+    "own sharding with the data axis added on its shard dim (1/N per device), "
+    "so {key} is not applied. Remove it from those params, or leave them out "
+    "of zero1 (optax.multi_transform) if their state must be placed so.")
+
+
+def _say_optimizer_sharding(found) -> None:
+  """Warns once per init when nnx params ask for an optimizer-state
+  placement (``optimizer_sharding`` / ``opt_sharding``) other than their
+  own sharding: zero1's placement replaces it."""
+  import warnings
+  asked = []
+  for path, b in found:
+    if is_box(b):
+      continue
+    meta = b.get_metadata()
+    for key in ("optimizer_sharding", "opt_sharding"):
+      v = meta.get(key)
+      if v is not None and tuple(v) != tuple(meta.get("out_sharding") or ()):
+        asked.append((path or "<root>", key, v))
+  if asked:
+    where, key, value = asked[0]
+    warnings.warn(OPTIMIZER_SHARDING.format(
+        count=len(asked), where=where, key=key, value=value), UserWarning,
+        stacklevel=5)
+
+
 def box_state(state: Any, specs: Any, like: Any, rules: Any = ()) -> Any:
   """``state`` with each sharded leaf wrapped as ``like``'s params are
   wrapped, its metadata naming its spec in ``specs``. Each state leaf takes
@@ -183,6 +213,7 @@ def box_state(state: Any, specs: Any, like: Any, rules: Any = ()) -> Any:
   found = _param_boxes(like)
   if not found:
     return state
+  _say_optimizer_sharding(found)
   is_p = lambda s: isinstance(s, P)
   flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_p)
   leaves = treedef.flatten_up_to(state)
