@@ -5,6 +5,7 @@ fails with a NameError, as it would for a reader). Blocks not meant to run
 itself is built by `make docs` (mkdocs build --strict: links, anchors)."""
 
 import json
+import os
 import pathlib
 import re
 
@@ -30,6 +31,10 @@ def _find(page: str, needle: str) -> str:
 
 def _exec(block: str, where: str, tmp_path, monkeypatch) -> dict:
   monkeypatch.chdir(tmp_path)
+  # the block appends to XLA_FLAGS (too late to matter here: conftest set 8
+  # devices); restored after the test so that other tests' subprocesses see
+  # the environment as it was
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   scope: dict = {"__name__": "__main__"}
   exec(compile(block, where, "exec"), scope)   # noqa: S102 - our own docs
   return scope
