@@ -39,7 +39,7 @@ DEMO_STEPS ?= 300
 # `make test PY=python3.12 VENV=.venv-newest`.
 NEWEST_PY ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12)),python3.12)
 NEWEST_TESTS ?= tests/test_checkpoint_lifecycle.py tests/test_step.py \
-  tests/test_jit_mode.py tests/test_readme.py tests/test_flax.py \
+  tests/test_jit_mode.py tests/test_readme.py tests/test_docs.py tests/test_flax.py \
   "tests/test_equivalence.py::test_bitwise_when_reduced_gradients_are_bitwise_equal"
 
 newest-py:
