@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-slow test-all test-newest newest-py demo bench clean tolerances
+.PHONY: venv test test-slow test-all test-newest newest-py demo bench clean tolerances docs dist
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,7 +39,7 @@ DEMO_STEPS ?= 300
 # `make test PY=python3.12 VENV=.venv-newest`.
 NEWEST_PY ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12)),python3.12)
 NEWEST_TESTS ?= tests/test_checkpoint_lifecycle.py tests/test_step.py \
-  tests/test_jit_mode.py tests/test_readme.py tests/test_flax.py \
+  tests/test_jit_mode.py tests/test_readme.py tests/test_docs.py tests/test_flax.py \
   tests/test_offload.py tests/test_value_and_grad.py \
   "tests/test_equivalence.py::test_bitwise_when_reduced_gradients_are_bitwise_equal"
 
@@ -60,8 +60,46 @@ demo: venv
 bench: venv
 	$(BIN)/python -m experiments.bench --out experiments/results
 
+# The docs site from docs/ into site/: warnings, broken links and anchors are
+# errors. Its tools (the docs extra) go into the same venv, on first use only,
+# so `make venv` stays as fast as it was.
+$(BIN)/.docs-installed: $(BIN)/.installed
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(BIN)/.docs-installed
+	$(BIN)/mkdocs build --strict
+
+# A release: wheel + sdist into dist/, metadata checked (twine), contents
+# checked (.ci/check_dist.py), then the wheel installed into a fresh venv
+# and used from outside the repository (no source tree on sys.path).
+WHEEL_VENV ?= .venv-wheel
+$(BIN)/.release-installed: $(BIN)/.installed
+	$(BIN)/pip install -q -e ".[release]"
+	touch $@
+
+dist: $(BIN)/.release-installed
+	rm -rf dist $(WHEEL_VENV)
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+	$(BIN)/python .ci/check_dist.py dist
+	$(PY) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install -q dist/*.whl
+	cd / && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import zero1_jax, os; \
+	  assert 'site-packages' in zero1_jax.__file__, zero1_jax.__file__; \
+	  print('installed', zero1_jax.__version__, 'from', os.path.dirname(zero1_jax.__file__))"
+	cd / && $(CURDIR)/$(WHEEL_VENV)/bin/zero1-train --help > /dev/null
+	cd / && $(CURDIR)/$(WHEEL_VENV)/bin/zero1-export --help > /dev/null
+	# and a real run, 2 steps of bert-tiny from a scratch directory
+	tmp="$$(mktemp -d)" && cp experiments/configs/ds_zero_stage1.json "$$tmp/ds.json" && \
+	  cd "$$tmp" && $(CURDIR)/$(WHEEL_VENV)/bin/zero1-train --num_devices 2 \
+	    --deepspeed ds.json --model_name_or_path bert-tiny \
+	    --per_device_train_batch_size 16 --max_steps 2 --output_dir out > log.txt 2>&1 \
+	  || { tail -20 log.txt; exit 1; }; \
+	  test -f "$$tmp/out/summary.json" && echo "dist: the wheel's zero1-train trained 2 steps in $$tmp" && rm -rf "$$tmp"
+
 clean:
-	rm -rf $(VENV) .venv-newest output
+	rm -rf $(VENV) .venv-newest $(WHEEL_VENV) output site dist
 
 .PHONY: mutate
 # Plant known bugs one at a time and show the tests catch each (experiments/mutate.py).

@@ -123,7 +123,9 @@ class Engine:
     steps_per_print: log DeepSpeed's ``step=, skipped=, lr=`` line (and the
       loss) at INFO every this many steps (the config's); None (DeepSpeed
       0.19's default): never.
-    config, tx, mesh.
+    config: the resolved :class:`zero1_jax.DeepSpeedConfig`.
+    tx: the :func:`zero1_jax.zero1` (or ``zero2``) transformation it built.
+    mesh: the device mesh.
   """
 
   def __init__(self, config: zconfig.DeepSpeedConfig, loss_fn: Callable,
