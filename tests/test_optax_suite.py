@@ -18,11 +18,16 @@ parameters, as absl names them):
 Any other outcome fails the case. test_no_silent_failure (fast) checks the
 table itself: no zero1 case fails or errors where optax's baseline passes.
 
-Slow: the 545 cases of contrib/_common_test.py took 22.6 min on this
-project's 2-core machine under load, the other files the time
-docs/optimizers.md states. Run with ``-m slow``; record the table again
-with ``ZERO1_OPTAX_SUITE_RECORD=1`` (docs/optimizers.md is generated from
-it: ``python -m experiments.optimizer_table``).
+Slow (1,300 cases x 2 sides): on this project's 2-core machine, shared and
+loaded (load average 8-10), the zero1 side of contrib/_common_test.py took
+22.6 min, the small files (transform ... sam, both sides) 4.1 min, and
+alias_test.py's 10,000-step Python loops (132 convergence cases) about
+2 min per 4 cases: well over an hour for the whole file in one process, so
+the table was recorded in several processes side by side. Run with
+``-m slow`` (``-k alias::`` etc. for one file); record the table again with
+``ZERO1_OPTAX_SUITE_RECORD=1`` (``ZERO1_OPTAX_SUITE_RECORD_TO=path`` for a
+partial run to merge); docs/optimizers.md is generated from it:
+``python -m experiments.optimizer_table``.
 """
 
 from __future__ import annotations
