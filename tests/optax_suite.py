@@ -244,7 +244,9 @@ def cases() -> list[str]:
 
 
 def params_repr(cls, meth: str) -> str:
-  return getattr(cls, "_test_params_reprs", {}).get(meth, "")
+  """The case's parameters as absl names them, without object addresses."""
+  text = getattr(cls, "_test_params_reprs", {}).get(meth, "")
+  return re.sub(r" at 0x[0-9a-f]+", "", text)
 
 
 # Tracebacks of tests that read what zero1 changes by design (a text, or
