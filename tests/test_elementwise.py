@@ -49,7 +49,7 @@ from tolerances import FP32_REORDER
 
 N, STEPS, LR = 4, 5, 1e-2
 GROUP = 8    # optimizers sharing one zero1 run (see group_outcomes)
-README = pathlib.Path(__file__).resolve().parents[1] / "docs" / "optimizers.md"   # the list moved there
+README = pathlib.Path(__file__).resolve().parents[1] / "docs" / "elementwise.md"   # the checked list
 ADAM = lambda: optax.adam(LR)
 ndim_mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
 

@@ -34,6 +34,7 @@ _SOURCES = {
     "zero2": "zero1_jax.core.zero2",
     **dict.fromkeys(("value_and_grad", "grad"), "zero1_jax.core.grad"),
     "ShardedGrads": "zero1_jax.core.sharded_grads",
+    "bounded": "zero1_jax.core.inflight",
     **dict.fromkeys(("ConfigError", "DeepSpeedConfig", "Engine", "initialize",
                      "load_config"), "zero1_jax.deepspeed"),
 }
@@ -59,6 +60,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:   # what the names are, for type checkers and IDEs
   from zero1_jax import checkpoint, deepspeed, distributed, flax, inspect
   from zero1_jax.core import specs
+  from zero1_jax.core.inflight import bounded
   from zero1_jax.core.inner_state import from_optax_state, inner_state
   from zero1_jax.core.jit_mode import reduced_params
   from zero1_jax.core.layout import Layout, plan
@@ -76,7 +78,7 @@ if TYPE_CHECKING:   # what the names are, for type checkers and IDEs
 __all__ = [
     "ConfigError", "DeepSpeedConfig", "DynamicLossScale", "Engine", "Layout",
     "LossScaleState", "NoLossScale", "StaticLossScale", "StepInfo",
-    "Zero1Config", "Zero1State", "Zero1Transformation", "checkpoint",
+    "Zero1Config", "Zero1State", "Zero1Transformation", "bounded", "checkpoint",
     "deepspeed", "distributed", "flax", "from_optax_state", "init", "initialize", "inner_state", "inspect",
     "load_config", "loss_scale", "plan", "reduced_params", "specs",
     "state_shardings",

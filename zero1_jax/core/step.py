@@ -31,6 +31,7 @@ from zero1_jax.core.batch import batch_size
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
 from zero1_jax.core import offload as ofl
+from zero1_jax.core import inflight
 from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
@@ -374,6 +375,7 @@ class _OnMesh:
   def __init__(self, jitted, batch_sharding: NamedSharding, accum: int,
                n: int, axes_of: Callable):
     self._jitted = jitted
+    self._bounded = inflight.Bounded(jitted)
     self._sharding = batch_sharding
     self._devices = set(batch_sharding.mesh.devices.flat)
     self._accum = accum
@@ -392,8 +394,10 @@ class _OnMesh:
     return jax.tree.map(one, batch)
 
   def __call__(self, params, opt_state, batch):
-    return self._jitted(params, opt_state, self._place(batch),
-                        self._axes_of(params))
+    # At most inflight.STEPS_IN_FLIGHT steps outstanding on CPU devices:
+    # more deadlock XLA's CPU client (core/inflight.py).
+    return self._bounded(params, opt_state, self._place(batch),
+                         self._axes_of(params))
 
   def lower(self, params, opt_state, batch):
     return self._jitted.lower(params, opt_state, self._place(batch),
