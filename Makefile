@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-slow test-all test-newest newest-py demo bench clean tolerances docs dist
+.PHONY: venv test test-slow test-optax test-all test-newest newest-py demo bench clean tolerances docs dist
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,13 @@ test: venv
 
 # The slow ones; CI runs both (.ci/run).
 test-slow: venv
-	$(PYTEST) -m slow tests
+	$(PYTEST) -m "slow and not optax_full" tests
+
+# The rest of optax's own suite through zero1 (tests/test_optax_suite.py):
+# optax's side of every case and alias_test's 10,000-step convergence loops.
+# Over an hour on 2 cores: not in CI.
+test-optax: venv
+	$(PYTEST) -m optax_full tests/test_optax_suite.py
 
 # Both, as CI does.
 test-all: test test-slow
