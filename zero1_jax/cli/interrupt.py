@@ -87,7 +87,8 @@ def abandon(prog: str = "zero1-train",
 def _holding(second: Callable[[], None], first_note: str | None
              ) -> Iterator[None]:
   """Holds a first Ctrl-C until the block ends (printing ``first_note``),
-  then raises KeyboardInterrupt; a second one calls ``second()``. Outside
+  then hands it to the handler it replaced (KeyboardInterrupt, unless that
+  one only records it); a second one calls ``second()``. Outside
   the main thread, or where SIGINT is ignored, nothing changes."""
   old = _main_thread_handler()
   if old is None:
@@ -109,9 +110,12 @@ def _holding(second: Callable[[], None], first_note: str | None
   finally:
     signal.signal(signal.SIGINT, old)
   if got:
-    if callable(old):   # as if it came now: remembered()'s record, or the default
-      old(signal.SIGINT, None)
-    raise KeyboardInterrupt
+    if not callable(old):
+      raise KeyboardInterrupt
+    # As if it came now: remembered()'s record and the default raise
+    # KeyboardInterrupt; an agreed stop (agreed_stop) records it for the
+    # step where every process stops.
+    old(signal.SIGINT, None)
 
 
 def held(prog: str = "zero1-train") -> contextlib.AbstractContextManager:

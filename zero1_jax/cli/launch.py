@@ -2,7 +2,8 @@
 spawns 2 processes with 2 CPU devices each on 127.0.0.1, like
 ``deepspeed --num_gpus``. If any process fails, the others are stopped and
 the launcher exits non-zero with one line saying which one. Ctrl-C stops
-every process as it stops a lone one (exit 130). The processes' stdout
+every process after the same step (:mod:`zero1_jax.cli.agreed_stop`; exit
+130). The processes' stdout
 passes through the launcher, whole lines at a time, less gloo's connection
 lines."""
 
@@ -237,18 +238,24 @@ def launch_local(module: str, argv: list[str], num_processes: int,
     signal.signal(signal.SIGUSR1, old)
 
 
-def _watch(procs: list[subprocess.Popen], prog: str) -> int:
+def _watch(procs: list[subprocess.Popen], prog: str,
+           straggle_s: float = 30.0) -> int:
   """Polls until all succeed (0) or one fails (1, the others stopped)."""
   while True:
     codes = [p.poll() for p in procs]
     failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
     if failed:
       i, c = failed[0]
-      _stop(procs)
       if c in (130, -signal.SIGINT):   # a Ctrl-C sent to that process alone
+        # The others stop after the same step (agreed_stop) and process 0
+        # says where the run stands: a kill now would lose its line.
+        if _wait_all(procs, straggle_s):
+          return 130
+        _stop(procs)
         print(f"{prog}: process {i} was interrupted; stopped the other "
               f"{len(procs) - 1} process(es).", file=sys.stderr)
         return 130
+      _stop(procs)
       print(f"{prog}: error: process {i} exited with code {c}; stopped the "
             f"other {len(procs) - 1} process(es).", file=sys.stderr)
       return 1
@@ -257,10 +264,21 @@ def _watch(procs: list[subprocess.Popen], prog: str) -> int:
     time.sleep(0.2)
 
 
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> bool:
+  """True when every process ended within ``timeout_s``."""
+  deadline = time.monotonic() + timeout_s
+  while any(p.poll() is None for p in procs):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.2)
+  return True
+
+
 def _interrupt(procs: list[subprocess.Popen], prog: str,
                straggle_s: float = 30.0) -> int:
-  """Ctrl-C: every process stops as a lone one does (a save in flight
-  commits, each says where it stands); a second Ctrl-C stops them at once."""
+  """Ctrl-C: every process stops after the same step (a save in flight
+  commits; process 0 says where the run stands); a second Ctrl-C stops them
+  at once."""
   for p in procs:
     if p.poll() is None:
       p.send_signal(signal.SIGINT)

@@ -19,8 +19,8 @@ import sys
 import time
 import warnings
 
-from zero1_jax.cli import (common, config_flags, hf_auto, interrupt,
-                           reports, rundir, train_args)
+from zero1_jax.cli import (agreed_stop, common, config_flags, hf_auto,
+                           interrupt, reports, rundir, train_args)
 
 log = logging.getLogger("zero1_jax")
 
@@ -212,17 +212,20 @@ def run(args: argparse.Namespace) -> dict | None:
   bar = None
   try:
     interrupt.check()
-    if engine.global_steps < args.max_steps:
-      if main_process:
-        print("[zero1-train] compiling the training step (minutes for a "
-              "large model on CPU)...", flush=True)
-      _compiled_check(engine, batches, est, args, main_process)
-      t0 = time.perf_counter()
-    # after compiling: its line would land on the bar's, its time in the rate
-    bar = common.progress(args.max_steps, initial=engine.global_steps,
-                          disable=log_lines or not main_process)
-    _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
-           ckpt_dir)
+    # From here a Ctrl-C stops every process after the same step (a lone
+    # one: at once): one compiling still would block the others' first step.
+    with agreed_stop.AgreedStop.start(say=main_process) as stop:
+      if engine.global_steps < args.max_steps:
+        if main_process:
+          print("[zero1-train] compiling the training step (minutes for a "
+                "large model on CPU)...", flush=True)
+        _compiled_check(engine, batches, est, args, main_process)
+        t0 = time.perf_counter()
+      # after compiling: its line would land on the bar's, its time in the rate
+      bar = common.progress(args.max_steps, initial=engine.global_steps,
+                            disable=log_lines or not main_process)
+      _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
+             ckpt_dir, stop)
     bar.close()
     with interrupt.deferred_sigint(resume_hint=lambda: reports.where(ckpt_dir)):
       engine.wait_checkpoints()
@@ -281,7 +284,7 @@ def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
 
 
 def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
-           ckpt_dir) -> None:
+           ckpt_dir, stop: agreed_stop.AgreedStop) -> None:
   """The step loop: train, log, save every ``--save_steps``."""
   every = train_args.logging_interval(args, cfg.steps_per_print)
   # a period asked for (--logging_steps, steps_per_print): lines with the bar
@@ -289,7 +292,7 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
   first = engine.global_steps + 1     # this invocation's first step: logged
   warmup_said = False    # the first skipped fp16 step is explained, once
   while engine.global_steps < args.max_steps:
-    interrupt.check()
+    stop.check(engine.global_steps)
     lr = next(iter(engine.get_lr()), None)   # the rate this update uses
     t = time.perf_counter()
     m = engine.train_batch(batches.batch_at(engine.global_steps))
