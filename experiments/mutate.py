@@ -154,6 +154,13 @@ MUTANTS = [
         "      dims[spec.dim] = dims[spec.dim] + (self.data_axis,)",
         "      dims[spec.dim] = (self.data_axis,) + dims[spec.dim]",
         ("tests/test_mesh2d.py",)),
+    Mutant(
+        "ctrl_c_stops_where_it_is_read",
+        "multi-process Ctrl-C: a process stops at the step where it publishes",
+        "zero1_jax/cli/agreed_stop.py",
+        'self.client.key_value_set(f"{PREFIX}/{self.rank}", str(step + 1))',
+        'self.client.key_value_set(f"{PREFIX}/{self.rank}", str(step))',
+        ("tests/test_agreed_stop.py",)),
 ]
 
 

@@ -284,8 +284,10 @@ def _interrupted(engine, history, args, ckpt_dir: str, main_process) -> str:
 
 
 def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
-           ckpt_dir, stop: agreed_stop.AgreedStop) -> None:
-  """The step loop: train, log, save every ``--save_steps``."""
+           ckpt_dir, stop: agreed_stop.AgreedStop | None = None) -> None:
+  """The step loop: train, log, save every ``--save_steps``; ``stop``: where
+  a Ctrl-C stops it (default: at once, a lone process)."""
+  stop = stop or agreed_stop.AgreedStop()
   every = train_args.logging_interval(args, cfg.steps_per_print)
   # a period asked for (--logging_steps, steps_per_print): lines with the bar
   log_lines = log_lines or train_args.period_given(args, cfg.steps_per_print)
