@@ -78,9 +78,9 @@ MUTANTS = [
         "overflow_step_not_skipped",
         "an overflowing fp16 step still updates master and moments",
         "zero1_jax/core/transform.py",
-        "      new_view = keep(view, new_view)\n"
-        "      new_inner = keep(state.inner, new_inner)\n",
-        "      pass\n",
+        "        new_view = keep(view, new_view)\n"
+        "        new_inner = keep(inner_state, new_inner)\n",
+        "        pass\n",
         ("tests/test_precision.py",)),
     Mutant(
         "accumulation_not_averaged",
