@@ -23,10 +23,11 @@ process 0: 0.18 ms on localhost, measured; a step waits on its
 collectives longer).
 
 Example:
-  >>> with AgreedStop.start() as stop:     # doctest: +SKIP
-  ...   while step < max_steps:
-  ...     stop.check(step)                 # KeyboardInterrupt: all stop here
-  ...     step = train_one_step()
+  >>> step = 0
+  >>> with AgreedStop.start() as stop:   # one process here: it stops at once
+  ...   while step < 3:
+  ...     stop.check(step)     # KeyboardInterrupt: where every process stops
+  ...     step += 1            # one training step
 """
 from __future__ import annotations
 
