@@ -49,9 +49,12 @@ def main(steps: int = 200) -> float:
     loss, grads = jax.value_and_grad(loss_fn)(local, batch)
     return state.apply_gradients(grads=grads), jax.lax.pmean(loss, "data")
 
-  step = jax.jit(jax.shard_map(per_device, mesh=mesh,
-                               in_specs=(specs, P("data")), out_specs=(specs, P())),
-                 donate_argnums=0)
+  # z1.bounded: at most 8 steps in flight on simulated CPU devices. This loop
+  # reads a loss every 50 steps; under load 50 queued steps deadlocked XLA's
+  # CPU client, which aborts the process (docs/cpu_rendezvous.md).
+  step = z1.bounded(jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=(specs, P("data")),
+      out_specs=(specs, P())), donate_argnums=0))
   rng = np.random.default_rng(0)
   w = rng.normal(size=8)
   for i in range(steps):
