@@ -30,5 +30,11 @@ XLA_FLAGS="--xla_cpu_max_isa=$isa" make test > "$dir/test.log" 2>&1
 rc=$?
 set -e
 tail -25 "$dir/test.log"
+# The clone goes at exit: a failed run's whole log stays (a worker's abort
+# prints its stacks far above the tail).
+if [ "$rc" -ne 0 ]; then
+  cp "$dir/test.log" /tmp/load_check-test.log
+  echo "load_check: the whole log: /tmp/load_check-test.log"
+fi
 echo "load_check: make test exit $rc, wall $(( $(date +%s) - start )) s, XLA_FLAGS=--xla_cpu_max_isa=$isa, 10 GiB held, 2 busy loops"
 exit $rc
