@@ -31,9 +31,12 @@ Example:
 """
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 import threading
+import time
 
 from zero1_jax.cli import interrupt
 
@@ -99,3 +102,31 @@ class AgreedStop:
     values = [int(v) for _, v in self.client.key_value_dir_get(f"{PREFIX}/")]
     if values and min(values) <= step:
       raise KeyboardInterrupt
+
+
+def multi_process() -> bool:
+  """Whether this process is one of a multi-process job (jax loaded)."""
+  jax = sys.modules.get("jax")
+  return jax is not None and jax.process_count() > 1
+
+
+def leave_after_interrupt() -> None:
+  """After a Ctrl-C that stopped this process at once (the second, or one
+  before the step loop), another process may be blocked in a step this one
+  never joins, so leaving the runtime together (what exit does, for up to
+  five minutes) may never happen. Leave without it; the launcher, or the
+  runtime's heartbeat, stops the blocked one."""
+  from zero1_jax import distributed
+  from zero1_jax.cli import launch
+  if not distributed.leave(timeout_s=15.0):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    launcher = os.environ.get(launch.LAUNCHER_PID)
+    if launcher:   # it stops every process at once, this one included
+      try:
+        os.kill(int(launcher), signal.SIGUSR1)
+        time.sleep(10)
+      except (OSError, ValueError):
+        pass
+    os._exit(130)

@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 import warnings
@@ -397,35 +396,9 @@ def main(argv=None) -> int:
   common.setup_logging()
   with interrupt.remembered():
     code = common.guarded(lambda a: peers.watched(run, a), args, "zero1-train")
-  if code == 130 and _multi_process():
-    _leave_after_interrupt()
+  if code == 130 and agreed_stop.multi_process():
+    agreed_stop.leave_after_interrupt()
   return code
-
-
-def _multi_process() -> bool:
-  jax = sys.modules.get("jax")
-  return jax is not None and jax.process_count() > 1
-
-
-def _leave_after_interrupt() -> None:
-  """A Ctrl-C in a multi-process job: another process may be blocked in a
-  step this one never joins, so leaving the runtime together (what exit
-  does, for up to five minutes) may never happen. Leave without it; the
-  launcher, or the runtime's heartbeat, stops the blocked one."""
-  from zero1_jax import distributed
-  from zero1_jax.cli import launch
-  if not distributed.leave(timeout_s=15.0):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    launcher = os.environ.get(launch.LAUNCHER_PID)
-    if launcher:   # it stops every process at once, this one included
-      try:
-        os.kill(int(launcher), signal.SIGUSR1)
-        time.sleep(10)
-      except (OSError, ValueError):
-        pass
-    os._exit(130)
 
 
 def cli() -> None:
