@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import sys
 import threading
 
@@ -42,7 +43,47 @@ def start(output_dir: str) -> distributed.PeerWatch | None:
   _WATCH = distributed.PeerWatch.start()
   if _WATCH is not None:
     _WATCH.on_dead = lambda ranks: _exit(ranks, None, output_dir)
+    _on_sigterm(output_dir)
   return _WATCH
+
+
+def _on_sigterm(output_dir: str) -> None:
+  """mpirun ends the other ranks with SIGTERM as soon as one dies, often
+  before a survivor's next collective fails, so the survivor's line was
+  lost (seen in 1 of 3 runs of the slow suite). The C-level handler writes
+  the signal to a wakeup pipe at once, whatever the main thread is doing (a
+  Python handler waits for it); a thread reading the pipe says the line
+  when a peer is gone, else exits as SIGTERM does (status 143), at once
+  either way. Only where SIGTERM has its default action, from the main
+  thread."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+    return
+  r, w = os.pipe()
+  os.set_blocking(w, False)
+  try:
+    signal.set_wakeup_fd(w)
+  except ValueError:
+    return
+  signal.signal(signal.SIGTERM, lambda signum, frame: None)   # the thread acts
+
+  def read():
+    while True:
+      got = os.read(r, 512)
+      if signal.SIGTERM not in got:    # other signals (SIGINT) are the main thread's
+        continue
+      watch = _WATCH
+      dead = watch.dead(wait_s=0.0) if watch is not None else []
+      if dead:
+        _exit(dead, None, output_dir)
+      try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+      except Exception:  # noqa: BLE001 - leaving regardless
+        pass
+      os._exit(128 + signal.SIGTERM)
+
+  threading.Thread(target=read, daemon=True, name="zero1-sigterm").start()
 
 
 def stop() -> None:
