@@ -347,12 +347,13 @@ def _end(procs, timeout):
 def test_mpiruns_sigterm_after_a_rank_died_still_gets_the_line(tmp_path):
   """mpirun, seeing rank 1 die, sends SIGTERM to rank 0 at once: before
   its next collective failed, so rank 0 died without its line (1 of 3 runs
-  of the slow suite; every time here, where the SIGTERM follows the kill
-  within microseconds). It must still name the dead process and the
+  of the slow suite; here, where the SIGTERM follows the death within
+  microseconds, 2 of 2 with the fix planted out). It must still name the dead process and the
   checkpoint, and exit 1 (cli/peers.py)."""
   procs, ckpt = _ranks_as_mpirun_starts_them(tmp_path, "term")
   procs[1].kill()
-  procs[0].send_signal(signal.SIGTERM)
+  procs[1].wait()                         # what mpirun noticed
+  procs[0].send_signal(signal.SIGTERM)    # what it does then, at once
   (_, err0), _ = _end(procs, 60)    # a hang guard: the line comes in ms
   assert procs[0].returncode == 1, err0[-3000:]
   lines = [l for l in err0.splitlines() if "died;" in l]

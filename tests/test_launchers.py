@@ -265,6 +265,7 @@ def test_each_launcher_says_how_many_processes_share_the_host(slurm):
 
 
 PYTHON_API = """
+import sys
 import numpy as np, jax.numpy as jnp, zero1_jax as z1
 z1.distributed.initialize()                  # joins: the launcher's variables
 import jax
@@ -277,7 +278,10 @@ r = np.random.default_rng(0)
 batch = {"x": r.normal(size=(8, 3)).astype(np.float32),
          "y": r.normal(size=(8, 2)).astype(np.float32)}
 m = e.train_batch(batch)
-print("trained", jax.process_index(), jax.process_count(), float(m["loss"]))
+# one write: print() writes each piece apart, and with unbuffered output the
+# two ranks' pieces interleaved ("trainedtrained 1  0 2 ...")
+sys.stdout.write(f"trained {jax.process_index()} {jax.process_count()} "
+                 f"{float(m['loss'])}\\n")
 """
 
 

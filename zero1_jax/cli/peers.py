@@ -53,8 +53,8 @@ def _on_sigterm(output_dir: str) -> None:
   lost (seen in 1 of 3 runs of the slow suite). The C-level handler writes
   the signal to a wakeup pipe at once, whatever the main thread is doing (a
   Python handler waits for it); a thread reading the pipe says the line
-  when a peer is gone, else exits as SIGTERM does (status 143), at once
-  either way. Only where SIGTERM has its default action, from the main
+  when a peer is gone (or goes within 0.5 s), else exits as SIGTERM does
+  (status 143). Only where SIGTERM has its default action, from the main
   thread."""
   if (threading.current_thread() is not threading.main_thread()
       or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
@@ -73,7 +73,9 @@ def _on_sigterm(output_dir: str) -> None:
       if signal.SIGTERM not in got:    # other signals (SIGINT) are the main thread's
         continue
       watch = _WATCH
-      dead = watch.dead(wait_s=0.0) if watch is not None else []
+      # a peer dying (its sockets closed, not yet gone) has until mpirun's
+      # SIGKILL, 1 s later (Open MPI's odls_base_sigkill_timeout)
+      dead = watch.dead(wait_s=0.5) if watch is not None else []
       if dead:
         _exit(dead, None, output_dir)
       try:
