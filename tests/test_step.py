@@ -406,9 +406,11 @@ def test_accepts_a_batch_committed_to_one_device():
 def test_accumulation_keeps_one_micro_batch_of_activations():
   """Accumulation exists to hold one micro-batch's activations at a time.
   At grad_accum_steps=2 the step held two (XLA inlined a loop of one and ran
-  both forwards first): temporaries 1.68x those of one micro-batch, against
-  1.14x now (the accumulator and the batch split). 1.25x fails the old step
-  and passes the new at accumulation 2 and 4."""
+  both forwards first): temporaries 1.68x those of one micro-batch. Two
+  micro-batches in one loop hold what four do (the same loop body, the same
+  accumulator): measured 0.99x here, and 1.25x with the first micro-batch
+  planted back outside the loop. (Against one micro-batch the ratio also
+  moves with how the step without a loop is laid out, 1.14x to 1.46x.)"""
   m = mesh(2)
   k = jax.random.split(jax.random.key(0), 2)
   params = {"w1": jax.random.normal(k[0], (8, 256)) * 0.1,
@@ -427,7 +429,7 @@ def test_accumulation_keeps_one_micro_batch_of_activations():
     b = {"x": np.ones((rows, 8), np.float32), "y": np.ones((rows, 1), np.float32)}
     step = z1.train_step(mlp_loss, tx, m, grad_accum_steps=accum)
     temp[accum] = z1.inspect.memory(step, p, s, b)["temp"]
-  assert temp[2] <= 1.25 * temp[1] and temp[4] <= 1.25 * temp[1], temp
+  assert temp[2] <= 1.1 * temp[4], temp
 
 
 def test_no_zero_size_array_enters_a_shard_map():

@@ -294,22 +294,28 @@ def test_small_leaves_share_a_collective_large_ones_go_alone():
   layout = z1.plan(params, 4)
   names = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(params)[0]]
-  def groups(**kw):
+  def groups(order=None, **kw):
     cfg = z1.zero2(optax.sgd(1.0), axis_name="data", **kw).config
-    return [[names[i] for i in g] for g in zero2.hook_groups(layout, cfg)]
-  # big: 4 x 16 x 33 x 4 bytes >= 1024 alone; the small ones (all N padded
-  # pieces: s1 4x2, s2 4x5, s3 4x3 floats = 32 + 80 + 48 bytes) packed up to
-  # bucket_bytes; scalars together.
+    return [[names[i] for i in g] for g in zero2.hook_groups(layout, cfg, order)]
+  # Leaves are reduced in the order the backward completes them: the reverse
+  # of the loss's first reads (tree order by default: big, g, h, i, s1, s2,
+  # s3). big: 4 x 16 x 33 x 4 bytes >= 1024 alone; the small ones (all N
+  # padded pieces: s3 4x3, s2 4x5, s1 4x2 floats = 48 + 80 + 32 bytes) packed
+  # up to bucket_bytes; scalars together.
   assert groups(inplace_bytes=1024, bucket_bytes=120) == [
-      ["['big']"], ["['s1']", "['s2']"], ["['s3']"], ["['g']", "['h']"]]
+      ["['s3']"], ["['s2']", "['s1']"], ["['big']"], ["['h']", "['g']"]]
+  # A loss that reads s1, s2, s3 and then big completes big first.
+  reads = tuple(names.index(f"['{k}']") for k in ("s1", "s2", "s3", "big", "g", "h", "i"))
+  assert groups(reads, inplace_bytes=1024, bucket_bytes=120) == [
+      ["['big']"], ["['s3']"], ["['s2']", "['s1']"], ["['h']", "['g']"]]
   # None packs every leaf (as stage 1's layout.plan_buckets); "auto" is
   # 64 KiB for stage 2 on any backend.
   assert groups(inplace_bytes=None) == [
-      ["['big']", "['s1']", "['s2']", "['s3']"], ["['g']", "['h']"]]
+      ["['s3']", "['s2']", "['s1']", "['big']"], ["['h']", "['g']"]]
   assert groups() == groups(inplace_bytes=1 << 16) == [
-      ["['big']", "['s1']", "['s2']", "['s3']"], ["['g']", "['h']"]]
+      ["['s3']", "['s2']", "['s1']", "['big']"], ["['h']", "['g']"]]
   assert groups(inplace_bytes=0) == [
-      ["['big']"], ["['s1']"], ["['s2']"], ["['s3']"], ["['g']", "['h']"]]
+      ["['s3']"], ["['s2']"], ["['s1']"], ["['big']"], ["['h']", "['g']"]]
 
 
 def test_plain_jit_update_says_stage2_trains_as_stage1():

@@ -121,7 +121,9 @@ def sharded_dim(x, axis: str | None = None) -> tuple[int | None, str | None, int
 
 def data_axis(params, opt_state) -> str | None:
   """The mesh axis the state is sharded over and the params are not: the
-  data axis (params may be sharded over others, on a 2-D mesh)."""
+  data axis (params may be sharded over others, on a 2-D mesh); or the
+  state's only axis, which params kept sharded between steps use too
+  (``z1.train_step(..., shard_params=True)``)."""
   def used(tree):
     out = set()
     for x in jax.tree.leaves(tree):
@@ -129,8 +131,11 @@ def data_axis(params, opt_state) -> str | None:
       if isinstance(s, NamedSharding):
         out.update(a for entry in s.spec for a in _axes(entry))
     return out
-  rest = used(opt_state) - used(params)
-  return next(iter(rest)) if len(rest) == 1 else None
+  state = used(opt_state)
+  rest = state - used(params)
+  if len(rest) == 1:
+    return next(iter(rest))
+  return next(iter(state)) if len(state) == 1 else None
 
 
 def leaf_record(path: str, name: str, x) -> dict:

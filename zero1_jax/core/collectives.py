@@ -22,7 +22,11 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from zero1_jax.core import order as ordering
 from zero1_jax.core.layout import Bucket, Layout, LeafSpec, REPLICATE
+
+REDUCE_KEY = "zero1-reduce-{}"   # XLA combiner_key of a reduce bucket group
+GATHER_KEY = "zero1-gather-{}"
 
 
 def rank_major(x: jax.Array, spec: LeafSpec, n: int) -> jax.Array:
@@ -129,8 +133,9 @@ def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
     i = b.whole_leaf(layout)
     if i is not None:
       g = grads[i].astype(b.dtype)
-      whole[i] = _reduce_leaf(predivide(g, n) if pre else g, layout.leaves[i],
-                              axis_name, all_reduce)
+      with ordering.tagged(REDUCE_KEY.format(b.group)):
+        whole[i] = _reduce_leaf(predivide(g, n) if pre else g,
+                                layout.leaves[i], axis_name, all_reduce)
       if pre:
         whole[i] = restore_sum(whole[i], n)
       continue
@@ -142,13 +147,15 @@ def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
       cols.append(views[s.leaf][:, s.start:s.start + s.length])
     buf = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)
     if all_reduce:
-      total = jax.lax.psum(buf, axis_name)
+      with ordering.tagged(REDUCE_KEY.format(b.group)):
+        total = jax.lax.psum(buf, axis_name)
       mine = jax.lax.dynamic_index_in_dim(total, me, axis=0, keepdims=False)
     else:
       if pre:
         buf = predivide(buf, n)
-      mine = jax.lax.psum_scatter(buf.reshape(-1), axis_name,
-                                  scatter_dimension=0, tiled=True)
+      with ordering.tagged(REDUCE_KEY.format(b.group)):
+        mine = jax.lax.psum_scatter(buf.reshape(-1), axis_name,
+                                    scatter_dimension=0, tiled=True)
       if pre:
         mine = restore_sum(mine, n)
     packed.append((mine, tuple(sorted({s.leaf for s in b.segments}))))
@@ -199,12 +206,14 @@ def all_gather(shards: dict[int, jax.Array], layout: Layout,
   for b in buckets:
     i = b.whole_leaf(layout)
     if i is not None:
-      out[i] = _gather_leaf(shards[i], layout.leaves[i], axis_name)
+      with ordering.tagged(GATHER_KEY.format(b.group)):
+        out[i] = _gather_leaf(shards[i], layout.leaves[i], axis_name)
       continue
     parts = [shards[s.leaf].reshape(-1)[s.start:s.start + s.length]
              for s in b.segments]
     buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    full = jax.lax.all_gather(buf, axis_name, tiled=True, to="invarying")
+    with ordering.tagged(GATHER_KEY.format(b.group)):
+      full = jax.lax.all_gather(buf, axis_name, tiled=True, to="invarying")
     full = full.reshape(n, -1)
     at = 0
     for s in b.segments:

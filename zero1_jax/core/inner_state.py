@@ -52,16 +52,19 @@ def _unpad(x: jax.Array, shape: tuple[int, ...], sharding: Any) -> jax.Array:
   return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _target(x: Any, param: Any) -> Any:
-  """Where the unpadded leaf goes: the parameter's sharding on the state's
-  mesh (replicated over the data axis, as the parameter is), else
-  replicated on that mesh; None off a mesh (a single device, numpy)."""
+def _target(x: Any, param: Any, axis: str) -> Any:
+  """Where the unpadded leaf goes: the parameter's sharding over the other
+  axes of the state's mesh, replicated over the data axis ``axis`` (params
+  kept sharded between steps by ``z1.train_step`` are sharded over it too);
+  else replicated on that mesh; None off a mesh (a single device, numpy)."""
   if not isinstance(getattr(x, "sharding", None), NamedSharding):
     return None
   mesh = x.sharding.mesh
   ps = getattr(param, "sharding", None)
   if isinstance(ps, NamedSharding) and ps.mesh.shape == mesh.shape:
-    return NamedSharding(mesh, ps.spec)
+    drop = lambda e: (None if e == axis else tuple(a for a in e if a != axis)
+                      or None if isinstance(e, tuple) else e)
+    return NamedSharding(mesh, P(*(drop(e) for e in ps.spec)))
   return NamedSharding(mesh, P())
 
 
@@ -132,7 +135,7 @@ def inner_state(tx: Any, opt_state: Zero1State, params: Any) -> optax.OptState:
           f"z1.inner_state: a state leaf of shape {have} is not parameter "
           f"{jax.tree_util.keystr(_path(params, i))} of shape {shape} padded "
           f"on one dim; call it outside shard_map, on the global state")
-    target = _target(x, p_leaves[i])
+    target = _target(x, p_leaves[i], tx.config.axis_name)
     if target is not None:   # gathered first: a sharded dim cannot be cut
       x = jax.device_put(x, target)   # to a size the axis does not divide
     out.append(_unpad(x, shape, target))

@@ -84,6 +84,10 @@ class Bucket(NamedTuple):
 
   dtype: np.dtype
   segments: tuple[Segment, ...]
+  # Consecutive buckets (in the plan's order) of at most bucket_bytes in all
+  # share a group: XLA may combine their collectives, never across groups
+  # (core/order.py).
+  group: int = 0
 
   @property
   def length(self) -> int:
@@ -236,11 +240,15 @@ def plan(tree: Any, num_shards: int,
 
 @functools.lru_cache(maxsize=256)
 def plan_buckets(layout: Layout, dtypes: tuple, bucket_bytes: int,
-                 inplace_bytes: int | None = None) -> tuple[Bucket, ...]:
+                 inplace_bytes: int | None = None,
+                 order: tuple[int, ...] | None = None) -> tuple[Bucket, ...]:
   """Cuts the per-device shard vector of each dtype into buckets.
 
   ``dtypes[i]`` is the dtype leaf ``i`` travels in (the gradient dtype for the
-  reduce, the parameter dtype for the gather).
+  reduce, the parameter dtype for the gather). ``order``: the leaf indices in
+  the order their collectives become possible (the backward's for a reduce,
+  the forward's for a gather: :mod:`zero1_jax.core.order`); default: tree
+  order. Buckets come out in that order.
 
   A leaf of at least ``inplace_bytes`` (over all N devices) travels alone, in
   place: its bucket is the whole leaf, never cut, and its collective runs on
@@ -251,32 +259,39 @@ def plan_buckets(layout: Layout, dtypes: tuple, bucket_bytes: int,
   ``ceil(B / bucket_bytes)`` collectives; leaves larger than a bucket are cut
   across buckets. Packing is a copy: worth it only for leaves so small that
   a collective each would cost more in latency.
+
+  Consecutive buckets of at most ``bucket_bytes`` in all share a ``group``
+  (a bucket over it is a group of its own).
   """
   n = layout.num_shards
-  groups: dict[np.dtype, list[int]] = {}
-  buckets = []
-  for i, l in enumerate(layout.leaves):
+  packed: dict[np.dtype, list[Segment]] = {}
+  room: dict[np.dtype, int] = {}
+  buckets: list[Bucket] = []
+  for i in (range(len(layout.leaves)) if order is None else order):
+    l = layout.leaves[i]
     if l.kind != SHARD:
       continue
     dt = np.dtype(dtypes[i])
     if inplace_bytes is not None and n * l.shard_size * dt.itemsize >= inplace_bytes:
       buckets.append(Bucket(dt, (Segment(i, 0, l.shard_size),)))
-    else:
-      groups.setdefault(dt, []).append(i)
-  for dtype, idx in groups.items():
-    cap = max(1, int(bucket_bytes) // (n * dtype.itemsize))
-    segs: list[Segment] = []
-    room = cap
-    for i in idx:
-      start, size = 0, layout.leaves[i].shard_size
-      while start < size:
-        take = min(room, size - start)
-        segs.append(Segment(i, start, take))
-        start += take
-        room -= take
-        if room == 0:
-          buckets.append(Bucket(dtype, tuple(segs)))
-          segs, room = [], cap
-    if segs:
-      buckets.append(Bucket(dtype, tuple(segs)))
-  return tuple(buckets)
+      continue
+    cap = max(1, int(bucket_bytes) // (n * dt.itemsize))
+    start, size = 0, l.shard_size
+    while start < size:
+      if dt not in packed:
+        packed[dt], room[dt] = [], cap
+      take = min(room[dt], size - start)
+      packed[dt].append(Segment(i, start, take))
+      start += take
+      room[dt] -= take
+      if room[dt] == 0:   # full: it goes where its last piece was met
+        buckets.append(Bucket(dt, tuple(packed.pop(dt))))
+  buckets += [Bucket(dt, tuple(segs)) for dt, segs in packed.items()]
+  out, group, used = [], -1, 0
+  for b in buckets:
+    size = n * b.length * np.dtype(b.dtype).itemsize
+    if group < 0 or used + size > bucket_bytes:
+      group, used = group + 1, 0
+    used += size
+    out.append(b._replace(group=group))
+  return tuple(out)

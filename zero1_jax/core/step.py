@@ -28,11 +28,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero1_jax.core import checks as chk
 from zero1_jax.core.batch import batch_size
+from zero1_jax.core import collectives as col
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
+from zero1_jax.core import layout as lay
 from zero1_jax.core import offload as ofl
 from zero1_jax.core import inflight
 from zero1_jax.core import one_device
+from zero1_jax.core import order as ordering
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
@@ -135,6 +138,25 @@ def state_shardings(tx: Zero1Transformation, params: Any,
                              tx.config.offload)
 
 
+def stored_leaves(layout: lay.Layout) -> frozenset[int]:
+  """The leaves :func:`train_step` keeps sharded between steps: those split
+  over the data axis without padding (a ``jax.Array`` must divide evenly).
+  The others (scalars, integers, leaves padded to split) stay replicated."""
+  return frozenset(i for i, s in enumerate(layout.leaves)
+                   if s.kind == lay.SHARD and s.padded_shape == s.shape)
+
+
+def stored_specs(tx: Zero1Transformation, params: Any, n: int) -> Any:
+  """PartitionSpecs :func:`train_step` keeps ``params`` in between steps
+  (1-D meshes): each leaf of :func:`stored_leaves` over the data axis on its
+  shard dim, as its optimizer state; the others replicated."""
+  layout = lay.plan(params, n)
+  keep = stored_leaves(layout)
+  return layout.treedef.unflatten([
+      zspecs.leaf_spec(s, tx.config.axis_name) if i in keep else P()
+      for i, s in enumerate(layout.leaves)])
+
+
 def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
          param_dtype: Any = None) -> tuple[Any, Zero1State]:
   """Replicates ``params`` over ``mesh`` and builds the sharded state.
@@ -232,7 +254,8 @@ def _local_grad_fn(loss_fn: Callable, params: Any, axis: str) -> Callable:
 
 def train_step(loss_fn: Callable, tx: Zero1Transformation,
                mesh: jax.sharding.Mesh, *, grad_accum_steps: int = 1,
-               has_aux: bool = False, donate: bool = True) -> Callable:
+               has_aux: bool = False, donate: bool = True,
+               shard_params: bool | str = "auto") -> Callable:
   """A jitted ZeRO-1 (or ZeRO-2) step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
   Args:
@@ -249,11 +272,21 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     has_aux: ``aux`` is averaged over micro-batches and devices and returned
       as ``metrics["aux"]``.
     donate: donate params and opt_state (the update happens in place).
+    shard_params: True: keep the params between steps as each device's
+      updated shard (:func:`stored_specs`: the same values, 1/N of them per
+      device) and gather them at the start of the next step, where the
+      gathers run under the forward pass; False: gather them at the end of
+      each step and return them replicated (the gathers then run under
+      nothing). ``"auto"``: True where collectives run beside compute (GPU,
+      TPU), False on CPU, which runs them in turn (nothing to gain, and the
+      CPU programs stay those the tests pin). On a mesh with model axes the
+      params are returned as they came.
 
   Returns:
     The ``jax.jit`` function (``.lower(...).compile()`` works), behind a thin
     wrapper that first moves batch arrays committed to devices outside the
-    mesh (e.g. a single device) onto it. ``metrics``:
+    mesh (e.g. a single device) onto it, and params to where the step keeps
+    them. ``metrics``:
     ``loss`` (mean over the global batch), ``grad_norm`` (global, before
     clipping), ``skipped`` (overflow: nothing changed), ``loss_scale``.
   """
@@ -262,10 +295,15 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
   accum = int(grad_accum_steps)
   if accum < 1:
     raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-
+  platform = _platform(mesh)
   stage2 = tx.config.stage == 2
+  if shard_params == "auto":
+    shard_params = (platform or jax.default_backend()) != "cpu"
+  elif shard_params not in (True, False):
+    raise ValueError(f"shard_params must be True, False or 'auto', got "
+                     f"{shard_params!r}")
 
-  def local_grads(params, scale, batch):
+  def local_grads(params, scale, batch, order=None):
     """This device's gradients (stage 2: its reduced shards) summed over the
     micro-batches, with the loss and aux summed likewise."""
     def scaled_loss(p, mb):
@@ -275,7 +313,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     if stage2:
       # Each leaf's gradient is reduce-scattered as the backward produces
       # it: g holds this device's summed 1/N shards (None at static leaves).
-      grad_fn = zero2.reduced_grad_fn(scaled_loss, params, tx.config, n)
+      grad_fn = zero2.reduced_grad_fn(scaled_loss, params, tx.config, n,
+                                      order, platform)
     else:
       grad_fn = _local_grad_fn(scaled_loss, params, axis)
 
@@ -310,10 +349,37 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
             "skipped": info.skipped, "loss_scale": info.loss_scale,
             **({"aux": metrics["aux"]} if has_aux else {})}
 
-  def per_device(params, opt_state: Zero1State, batch):
-    grads, metrics = local_grads(params, opt_state.loss_scale.scale, batch)
-    new_params, new_state, info = tx.apply(grads, opt_state, params,
-                                           pre_reduced=stage2)
+  def read_order(params, batch):
+    """The leaves in the order the loss first reads them (core/order.py);
+    None (tree order) on CPU, which neither combines nor overlaps
+    collectives: its programs (and their rounding, which the CPU tests pin
+    bitwise) stay those of tree order."""
+    if (platform or jax.default_backend()) == "cpu":
+      return None
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (x.shape[1] // n,) + x.shape[2:], x.dtype), batch)
+    return ordering.first_reads(
+        lambda p, b: chk.split_loss(loss_fn(p, b), has_aux)[0], params, mb)
+
+  def per_device(params, opt_state: Zero1State, batch, full, order, keep):
+    blocks = {}
+    if keep:   # the stored shards, gathered in the order the forward reads them
+      layout = lay.plan(full, n)
+      leaves = jax.tree.leaves(params)
+      blocks = {i: leaves[i] for i in keep}
+      buckets = lay.plan_buckets(
+          layout, tuple(jnp.dtype(x.dtype) for x in leaves),
+          int(tx.config.gather_bucket_bytes or tx.config.bucket_bytes),
+          tx.config.inplace_threshold(n, platform),
+          tuple(i for i in (order or range(len(leaves))) if i in keep))
+      whole = col.all_gather(blocks, layout, buckets, axis)
+      params = layout.treedef.unflatten(
+          [whole[i] if i in keep else x for i, x in enumerate(leaves)])
+    grads, metrics = local_grads(params, opt_state.loss_scale.scale, batch,
+                                 order)
+    new_params, new_state, info = tx.apply(
+        grads, opt_state, params, pre_reduced=stage2, order=order,
+        platform=platform, shards_in=blocks, shard_out=keep)
     return new_params, new_state, with_info(metrics, info)
 
   def step(params, opt_state, batch, pa):
@@ -322,7 +388,15 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     b_specs = jax.tree.map(lambda _: P(None, axis), batch)
     rep = _replicated(mesh, params)
     if pa is None:
-      f = _shard_map(per_device, mesh, (rep, specs, b_specs), (rep, specs, P()))
+      full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          params)
+      keep = (stored_leaves(lay.plan(full, n)) if shard_params
+              else frozenset())
+      p_specs = stored_specs(tx, full, n) if keep else rep
+      f = _shard_map(
+          lambda p, s, b: per_device(p, s, b, full, read_order(full, batch),
+                                     keep),
+          mesh, (p_specs, specs, b_specs), (p_specs, specs, P()))
       return f(params, opt_state, batch)
     # Params sharded over other mesh axes too (tensor parallel): the loss
     # runs manual over the data axis only (the other axes stay with the
@@ -342,7 +416,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
 
     def update(g, s, p):
       g = jax.tree.map(lambda x: x[0], g)
-      new_params, new_state, info = tx.apply(g, s, p, param_axes=pa)
+      new_params, new_state, info = tx.apply(g, s, p, param_axes=pa,
+                                             platform=platform)
       return new_params, new_state, with_info(metrics, info)
 
     f = _shard_map(update, mesh, (g_specs, specs, p_specs),
@@ -350,14 +425,54 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     return f(grads, opt_state, params)
 
   def axes_of(params):
+    if _stored(params):   # a previous step's output: sharded as it keeps them
+      return None
     pa = param_axes(tx, params, mesh)
     if pa is not None and stage2:
       raise ValueError(_NO_STAGE2_2D)
     return pa
 
+  def _stored(params) -> bool:
+    where = storage(params, None)
+    return where is not None and any(
+        s.spec != P() for s in jax.tree.leaves(where)) and all(
+        _placed(x, s) for x, s in zip(jax.tree.leaves(params),
+                                      jax.tree.leaves(where)))
+
+  def storage(params, pa):
+    """Where the step keeps ``params`` (NamedShardings), or None: as given."""
+    if pa is not None or not shard_params or jax.tree.structure(
+        pax.unbox(params)) != jax.tree.structure(params):   # boxed: as given
+      return None
+    specs = stored_specs(tx, params, n)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
   return _OnMesh(jax.jit(step, donate_argnums=(0, 1) if donate else (),
                          static_argnums=3),
-                 NamedSharding(mesh, P(axis)), accum, n, axes_of)
+                 NamedSharding(mesh, P(axis)), accum, n, axes_of, storage)
+
+
+def _placed(x, where: NamedSharding) -> bool:
+  """Whether ``x`` is placed as ``where`` says: the same devices and the same
+  spec (trailing Nones aside). Equivalence is not enough: on an Explicit
+  mesh the spec is part of the array's type, and P() and P('data') are
+  equivalent on one device."""
+  s = getattr(x, "sharding", None)
+  if not isinstance(s, NamedSharding) or s.mesh != where.mesh:
+    return False
+  strip = lambda spec: tuple(spec)[:max([i + 1 for i, a in enumerate(spec)
+                                         if a is not None], default=0)]
+  return strip(s.spec) == strip(where.spec)
+
+
+def _platform(mesh) -> str | None:
+  """The platform ('gpu', 'cpu', ...) of a concrete mesh's devices (a
+  compile-only GPU mesh's too); None for an abstract mesh."""
+  try:
+    return mesh.devices.flat[0].platform
+  except (AttributeError, IndexError, ValueError):
+    return None
 
 
 _NO_STAGE2_2D = (
@@ -373,8 +488,9 @@ class _OnMesh:
   ``lower``/``trace``/``eval_shape`` and the rest are the jitted function's."""
 
   def __init__(self, jitted, batch_sharding: NamedSharding, accum: int,
-               n: int, axes_of: Callable):
+               n: int, axes_of: Callable, storage: Callable):
     self._jitted = jitted
+    self._storage = storage
     self._bounded = inflight.Bounded(jitted)
     self._sharding = batch_sharding
     self._devices = set(batch_sharding.mesh.devices.flat)
@@ -393,15 +509,32 @@ class _OnMesh:
       return jax.device_put(x, self._sharding)
     return jax.tree.map(one, batch)
 
+  def _store(self, params, pa):
+    """``params`` placed where the step keeps them (a local slice of
+    replicated arrays: no communication), so that one compiled program
+    serves the first step and the next; ShapeDtypeStructs given that
+    sharding."""
+    where = self._storage(params, pa)
+    if where is None:
+      return params
+
+    def one(x, s):
+      if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+      return x if _placed(x, s) else jax.device_put(x, s)
+    return jax.tree.map(one, params, where)
+
   def __call__(self, params, opt_state, batch):
     # At most inflight.STEPS_IN_FLIGHT steps outstanding on CPU devices:
     # more deadlock XLA's CPU client (core/inflight.py).
-    return self._bounded(params, opt_state, self._place(batch),
-                         self._axes_of(params))
+    pa = self._axes_of(params)
+    return self._bounded(self._store(params, pa), opt_state,
+                         self._place(batch), pa)
 
   def lower(self, params, opt_state, batch):
-    return self._jitted.lower(params, opt_state, self._place(batch),
-                              self._axes_of(params))
+    pa = self._axes_of(params)
+    return self._jitted.lower(self._store(params, pa), opt_state,
+                              self._place(batch), pa)
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)

@@ -242,7 +242,14 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
 
   def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL,
                *, pre_reduced: bool = False, param_axes=None,
-               extra_args: dict | None = None):
+               extra_args: dict | None = None, order=None,
+               platform: str | None = None, shards_in=None, shard_out=()):
+    """``order``: the leaves in the order the loss first reads them
+    (:mod:`zero1_jax.core.order`; reduced in reverse, gathered in it);
+    ``platform``: the mesh's ('gpu', 'cpu', ...) for ``inplace_bytes="auto"``;
+    ``shards_in``: {leaf: this device's shard} of leaves stored sharded, read
+    as their master where none is stored; ``shard_out``: leaves returned as
+    this device's new shard (in the param dtype) instead of gathered."""
     if grads_are == jm.SHARDS:   # z1.value_and_grad's: reduced in the backward
       grads_are, pre_reduced = jm.LOCAL, True
     pa = axes_of(params, param_axes)
@@ -256,11 +263,14 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     scaler = _loss_scaler(cfg, params)
     comm = [jnp.dtype(cfg.reduce_dtype or g.dtype) for g in g_leaves]
     # tx.config, not cfg: zero2() sets the stage after this closure was made.
+    small = tx.config.inplace_threshold(n, platform)
+    fwd = tuple(range(len(p_leaves))) if order is None else tuple(order)
     r_buckets = lay.plan_buckets(layout, tuple(comm), int(cfg.bucket_bytes),
-                                 tx.config.inplace_threshold(n))
+                                 small, None if order is None else fwd[::-1])
     g_buckets = lay.plan_buckets(
         layout, tuple(jnp.dtype(p.dtype) for p in p_leaves),
-        int(cfg.gather_bucket_bytes or cfg.bucket_bytes), tx.config.inplace_threshold(n))
+        int(cfg.gather_bucket_bytes or cfg.bucket_bytes), small,
+        tuple(i for i in fwd if i not in shard_out))
 
     # 1. Reduce (unless stage 2's backward did: pre_reduced); the sums stay
     # as they arrive (in the master dtype) and the average, unscale and clip
@@ -332,8 +342,10 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     # already in the master dtype their own shard (bitwise the master).
     stored = chk.check_master(state, layout, cfg.master_dtype)
     view = []
-    for m, p, spec in zip(stored, p_leaves, layout.leaves):
-      if m is None and spec.kind == lay.SHARD:
+    for i, (m, p, spec) in enumerate(zip(stored, p_leaves, layout.leaves)):
+      if m is None and spec.kind == lay.SHARD and shards_in and i in shards_in:
+        m = shards_in[i]
+      elif m is None and spec.kind == lay.SHARD:
         m = col.local_shard(p, spec, axis)
       elif m is None and spec.kind == lay.REPLICATE:
         m = p
@@ -368,14 +380,15 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     new_state = Zero1State(master_tree(layout, cfg.master_dtype, kept),
                            new_inner, scaler.update(state.loss_scale, skipped))
 
-    # 4. Gather the new weights in the parameter dtype.
+    # 4. Gather the new weights in the parameter dtype (those in shard_out
+    # stay this device's shard: the next step gathers them).
     shards = {i: m_leaves[i].astype(p_leaves[i].dtype)
               for i in layout.indices(lay.SHARD)}
     full = col.all_gather(shards, layout, g_buckets, axis)
     new_params = []
     for i, (p, spec) in enumerate(zip(p_leaves, layout.leaves)):
       if spec.kind == lay.SHARD:
-        new_params.append(full[i])
+        new_params.append(shards[i] if i in shard_out else full[i])
       elif spec.kind == lay.REPLICATE:
         new_params.append(m_leaves[i].astype(p.dtype))
       else:

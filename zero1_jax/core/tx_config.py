@@ -51,18 +51,22 @@ class Zero1Config:
   # "pinned_host": the sharded state lives in host memory (core/offload.py).
   offload: str | None = None
 
-  def inplace_threshold(self, num_shards: int = 2) -> int | None:
-    """``inplace_bytes`` resolved: ``"auto"`` is 64 KiB on backends whose
-    collective combiners merge per-leaf collectives (GPU, TPU), for stage 2
-    (its point is the memory) and on one device (no collective is left);
-    None (pack every leaf) for stage 1 on CPU with N > 1, where collectives
-    are not combined and each costs a rendezvous of all devices (measured in
+  def inplace_threshold(self, num_shards: int = 2,
+                        platform: str | None = None) -> int | None:
+    """``inplace_bytes`` resolved for a program compiled for ``platform``
+    (the mesh's devices' ``platform``: 'gpu', 'tpu', 'cpu'; None: jax's
+    default backend). ``"auto"`` is 64 KiB on platforms whose collective
+    combiners merge per-leaf collectives (GPU, TPU), for stage 2 (its point
+    is the memory) and on one device (no collective is left); None (pack
+    every leaf) for stage 1 on CPU with N > 1, where collectives are not
+    combined and each costs a rendezvous of all devices (measured in
     ``make bench``, model s: in place, a reduce-scatter and an all-gather
     per large leaf instead of one of each made the overhead above the floor
     about 2x the packed one, 2.07x at N=8 and 1.69x at N=2)."""
     if self.inplace_bytes != "auto":
       return self.inplace_bytes
-    if self.stage == 2 or num_shards == 1 or jax.default_backend() != "cpu":
+    platform = platform or jax.default_backend()
+    if self.stage == 2 or num_shards == 1 or platform != "cpu":
       return 1 << 16
     return None
 

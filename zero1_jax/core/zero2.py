@@ -41,6 +41,7 @@ import optax
 
 from zero1_jax.core import collectives as col
 from zero1_jax.core import layout as lay
+from zero1_jax.core import order as ordering
 from zero1_jax.core.transform import Zero1Config, Zero1Transformation, zero1
 
 
@@ -84,7 +85,8 @@ def comm_dtype(spec: lay.LeafSpec, cfg: Zero1Config) -> jnp.dtype:
 
 
 def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
-                dtype: Any, all_reduce: bool = False) -> Callable:
+                dtype: Any, all_reduce: bool = False,
+                key: str | None = None) -> Callable:
   """``hook(params, slots) -> params`` whose backward reduces the cotangents.
 
   ``params`` and ``slots`` are tuples, one entry per leaf of ``specs`` (all
@@ -92,7 +94,8 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
   (scalars: shape ()) in ``dtype``; its cotangent is this device's shard of
   the sum over ``axis_name`` of ``params[k]``'s cotangent, all of the group's
   leaves in one collective (their rank-major views side by side). The params
-  get no cotangent (None: a zero that is never built).
+  get no cotangent (None: a zero that is never built). ``key``: the XLA
+  ``combiner_key`` the collective carries (:func:`zero1_jax.core.order.tagged`).
   """
 
   # fp16 travels divided by N (collectives.predivides); the update restores
@@ -104,17 +107,19 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
     if pre:
       cts = [col.predivide(c, n) for c in cts]
     if specs[0].kind == lay.REPLICATE:
-      total = jax.lax.psum(jnp.stack(cts), axis_name)
+      with ordering.tagged(key):
+        total = jax.lax.psum(jnp.stack(cts), axis_name)
       return tuple(total[k] for k in range(len(cts)))
     views = [col.rank_major(c, s, n) for c, s in zip(cts, specs)]
     m = views[0] if len(views) == 1 else jnp.concatenate(views, axis=1)
-    if all_reduce:   # DeepSpeed's reduce_scatter: false
-      mine = jax.lax.dynamic_index_in_dim(
-          jax.lax.psum(m, axis_name), jax.lax.axis_index(axis_name), 0,
-          keepdims=False)
-    else:
-      mine = jax.lax.psum_scatter(m, axis_name, scatter_dimension=0,
-                                  tiled=True)
+    with ordering.tagged(key):
+      if all_reduce:   # DeepSpeed's reduce_scatter: false
+        mine = jax.lax.dynamic_index_in_dim(
+            jax.lax.psum(m, axis_name), jax.lax.axis_index(axis_name), 0,
+            keepdims=False)
+      else:
+        mine = jax.lax.psum_scatter(m, axis_name, scatter_dimension=0,
+                                    tiled=True)
     mine, out, at = mine.reshape(-1), [], 0
     for s in specs:
       out.append(mine[at:at + s.shard_size].reshape(s.shard_shape))
@@ -137,17 +142,23 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
   return hook
 
 
-def hook_groups(layout: lay.Layout, cfg: Zero1Config) -> list[list[int]]:
-  """Leaf indices reduced together, in tree order: each SHARD leaf of at
-  least ``cfg.inplace_bytes`` (all N pieces) alone, as the backward produces
-  it; smaller ones packed per comm dtype into groups of at most
-  ``cfg.bucket_bytes`` (one collective each, once the whole group's
-  gradients exist); the scalar (REPLICATE) leaves one group per dtype.
-  ``inplace_bytes=None``: every SHARD leaf packed, as in stage 1."""
+def hook_groups(layout: lay.Layout, cfg: Zero1Config,
+                order: Sequence[int] | None = None,
+                platform: str | None = None) -> list[list[int]]:
+  """Leaf indices reduced together, in the order the backward completes
+  them (the reverse of ``order``, the loss's first reads: tree order by
+  default): each SHARD leaf of at least ``cfg.inplace_bytes`` (all N pieces)
+  alone, as the backward produces it; smaller ones packed per comm dtype
+  into groups of at most ``cfg.bucket_bytes`` (one collective each, once
+  the whole group's gradients exist); the scalar (REPLICATE) leaves one
+  group per dtype. ``inplace_bytes=None``: every SHARD leaf packed, as in
+  stage 1. ``platform``: as :meth:`Zero1Config.inplace_threshold`'s."""
   n = layout.num_shards
-  small = cfg.inplace_threshold(n)
+  small = cfg.inplace_threshold(n, platform)
   groups, open_, scalars = [], {}, {}
-  for i, spec in enumerate(layout.leaves):
+  back = range(len(layout.leaves)) if order is None else order
+  for i in reversed(tuple(back)):
+    spec = layout.leaves[i]
     dt = comm_dtype(spec, cfg)
     if spec.kind == lay.REPLICATE:
       scalars.setdefault(dt, []).append(i)
@@ -167,8 +178,26 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config) -> list[list[int]]:
   return groups + list(scalars.values())
 
 
+def _tags(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config
+          ) -> list[str]:
+  """Each hook group's XLA combiner_key: consecutive groups of at most
+  ``cfg.bucket_bytes`` in all share one (:mod:`zero1_jax.core.order`)."""
+  n = layout.num_shards
+  sizes = {}
+  for k, idx in enumerate(groups):
+    sizes[k] = sum(n * layout.leaves[i].shard_size
+                   * comm_dtype(layout.leaves[i], cfg).itemsize for i in idx)
+  cut = ordering.groups(range(len(groups)), sizes, int(cfg.bucket_bytes))
+  tag = {}
+  for g, members in enumerate(cut):
+    for k in members:
+      tag[k] = col.REDUCE_KEY.format(g)
+  return [tag[k] for k in range(len(groups))]
+
+
 def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
-                    n: int) -> Callable:
+                    n: int, order: Sequence[int] | None = None,
+                    platform: str | None = None) -> Callable:
   """``f(batch) -> (grads, aux)`` for ``jax.grad(loss_fn, has_aux=True)``
   with every leaf's gradient reduced in the backward pass
   (:func:`hook_groups` says which leaves share a collective).
@@ -176,16 +205,17 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
   ``grads`` has ``params``' structure: this device's shard (``shard_shape``)
   of the gradient summed over the axis at SHARD leaves, the summed scalar at
   REPLICATE leaves, None at STATIC leaves. Runs inside shard_map.
+  ``order`` / ``platform``: as :func:`hook_groups`'s.
   """
   layout = lay.plan(params, n)
   p_leaves = jax.tree.leaves(params)
-  groups = hook_groups(layout, cfg)
+  groups = hook_groups(layout, cfg, order, platform)
   hooks, slots = [], []
-  for idx in groups:
+  for idx, key in zip(groups, _tags(groups, layout, cfg)):
     specs = [layout.leaves[i] for i in idx]
     dt = comm_dtype(specs[0], cfg)
     hooks.append(reduce_hook(specs, n, cfg.axis_name, dt,
-                             cfg.reduce == "all_reduce"))
+                             cfg.reduce == "all_reduce", key))
     slots.append(tuple(jnp.zeros(s.shard_shape, dt) for s in specs))
 
   def through_hooks(slots, batch):

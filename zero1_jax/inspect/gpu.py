@@ -1,0 +1,118 @@
+"""Compile a step for NVIDIA GPUs on a machine without one.
+
+jax's compile-only topologies run XLA's real GPU compiler for GPUs that are
+not there: :func:`mesh` gives a mesh of 8 H100s (or H200s, on 1 to n hosts)
+whose devices exist only for compiling, and :func:`compile` compiles a
+lowered step for it and reads XLA's latency-hiding schedule of the result
+(:mod:`zero1_jax.inspect.schedule`): an estimate of the step on those GPUs,
+from XLA's cost model, and which collectives run under compute.
+
+Needs jax's CUDA plugin at jax's own version, without the CUDA libraries:
+``pip install "jax[cuda12-local]==$(python -c 'import jax; print(jax.__version__)')"``
+(or the ``gpu-aot`` extra). Where no GPU is present, set
+``jax.config.update("jax_platforms", "cpu")`` (or ``JAX_PLATFORMS=cpu``)
+before jax starts a backend, so that it does not try to open one.
+
+Example (not run by the doctests: it needs the plugin)::
+
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    import zero1_jax as z1
+    mesh = z1.inspect.gpu.mesh(8)                    # 8 x H100 SXM, one host
+    lowered = step.lower(*abstract_args_on(mesh))    # ShapeDtypeStructs with shardings
+    compiled, timeline = z1.inspect.gpu.compile(lowered)
+    print(timeline.step_us, timeline.exposed_by_kind)
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+import jax
+
+from zero1_jax.inspect import schedule as sched
+
+GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+# jaxlib 0.10.2's GpuTargetConfigProto predates this field of XLA's specs.
+_NEWER_FIELDS = ("collective_memory_granularity",)
+
+
+def target_config(gpu: str = "h100") -> str:
+  """The text of XLA's target config for ``gpu`` ('h100' SXM or 'h200'),
+  shipped with zero1_jax (copied from openxla/xla's published specs)."""
+  if gpu not in GPUS:
+    raise ValueError(f"unknown gpu {gpu!r}; one of {sorted(GPUS)}")
+  return (importlib.resources.files("zero1_jax.inspect") / "gpu_specs"
+          / GPUS[gpu]).read_text()
+
+
+def _without(text: str, fields: Sequence[str]) -> str:
+  return "".join(line for line in text.splitlines(keepends=True)
+                 if line.strip().split(":")[0] not in fields)
+
+
+def topology(gpu: str = "h100", *, hosts: int = 1, gpus_per_host: int = 8):
+  """jax's compile-only topology of ``hosts`` x ``gpus_per_host`` GPUs."""
+  from jax.experimental import topologies
+  text = target_config(gpu)
+  shape = f"1x{int(hosts)}x{int(gpus_per_host)}"
+  try:
+    return topologies.get_topology_desc(platform="cuda", target_config=text,
+                                        topology=shape)
+  except Exception as e:   # noqa: BLE001 - jaxlib's parse error is a plain Exception
+    if "cuda" in str(e).lower() and "plugin" in str(e).lower() or isinstance(
+        e, (ModuleNotFoundError, ImportError)):
+      raise RuntimeError(_NO_PLUGIN) from e
+    if not any(f in str(e) for f in _NEWER_FIELDS):
+      raise
+  return topologies.get_topology_desc(
+      platform="cuda", target_config=_without(text, _NEWER_FIELDS), topology=shape)
+
+
+_NO_PLUGIN = (
+    "zero1: compiling for GPUs without one needs jax's CUDA plugin at jax's "
+    "version: pip install \"jax[cuda12-local]==<jax.__version__>\" (the "
+    "gpu-aot extra), and JAX_PLATFORMS=cpu where no GPU is present.")
+
+
+def mesh(axis_shapes: int | Sequence[int] = 8,
+         axis_names: Sequence[str] = ("data",), *, gpu: str = "h100",
+         hosts: int = 1, axis_types: Any = None) -> jax.sharding.Mesh:
+  """A compile-only mesh of ``prod(axis_shapes)`` GPUs, 8 per host (fewer
+  on one host if fewer are asked for). Arrays cannot be placed on it; lower
+  on ``jax.ShapeDtypeStruct``s carrying its ``NamedSharding``s.
+
+  ``axis_types``: as ``jax.make_mesh``'s (default: Auto axes, as
+  ``jax.experimental.topologies.make_mesh`` makes them)."""
+  from jax.experimental import topologies
+  shape = (axis_shapes,) if isinstance(axis_shapes, int) else tuple(axis_shapes)
+  total = 1
+  for s in shape:
+    total *= int(s)
+  per_host = total // int(hosts)
+  if per_host * int(hosts) != total:
+    raise ValueError(f"{total} GPUs do not split over {hosts} hosts")
+  topo = topology(gpu, hosts=hosts, gpus_per_host=per_host)
+  kw = {} if axis_types is None else {"axis_types": tuple(axis_types)}
+  return topologies.make_mesh(topo, shape, tuple(axis_names), **kw)
+
+
+def compile(lowered: Any, compiler_options: dict | None = None
+            ) -> tuple[Any, sched.Summary]:
+  """``lowered.compile()`` with XLA's latency-hiding schedule dumped and read.
+
+  Returns the compiled step (``.as_text()``, ``.memory_analysis()``) and the
+  :func:`zero1_jax.inspect.schedule.summary` of its schedule: XLA's cost
+  model of one step on the GPUs of the mesh it was lowered for, not a
+  measurement."""
+  where = tempfile.mkdtemp(prefix="zero1_schedule_")
+  try:
+    options = {**(compiler_options or {}), "xla_dump_to": where,
+               "xla_dump_latency_hiding_schedule": True}
+    compiled = lowered.compile(compiler_options=options)
+    return compiled, sched.summary(sched.read(where))
+  finally:
+    shutil.rmtree(where, ignore_errors=True)
