@@ -322,7 +322,10 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   state = jax.jit(f)(params)   # eager shard_map would dispatch op by op
   rules = (tx.config.logical_axis_rules or boxes.context_rules()
            or getattr(tx, "seen_rules", ()))
-  return boxes.box_state(state, specs, like, rules)
+  # zero1(mesh=) outside jax.set_mesh: a program placing what it derives
+  # from the (abstract) state's metadata, e.g. nn.get_sharding.
+  bare = tx.config.mesh is not None and jax.sharding.get_abstract_mesh().empty
+  return boxes.box_state(state, specs, like, rules, sizes, axis, bare=bare)
 
 
 SHARDED_2D = (

@@ -141,9 +141,9 @@ def rewrap_variables(like: Any, tree: Any) -> Any:
   return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(tree))
 
 
-def _spec_of(x, sizes, rules, where) -> Any:
+def _spec_of(x, sizes, rules, where, data_axis=None) -> Any:
   if _boxed(x):
-    return boxes.mesh_axes(x, sizes, rules, where)
+    return boxes.mesh_axes(x, sizes, rules, where, data_axis)
   if isinstance(x, jax.core.Tracer):
     sharding = getattr(jax.typeof(x), "sharding", None)
   else:
@@ -194,7 +194,8 @@ def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,
                        f"({e}).") from None
   else:
     rules = rules or boxes.context_rules()
-    specs = [_spec_of(x, sizes, rules, path) for x, path in zip(leaves, paths)]
+    specs = [_spec_of(x, sizes, rules, path, data_axis)
+             for x, path in zip(leaves, paths)]
   out = []
   for path, x, spec in zip(paths, leaves, specs):
     shape = np.shape(x.value if _boxed(x) else x)
