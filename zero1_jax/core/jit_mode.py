@@ -83,8 +83,19 @@ def _no_mesh(axis: str, why: str) -> ValueError:
       f"jax.set_mesh).")
 
 
-def find_mesh(axis: str, *trees: Any, fallback: Any = None
-              ) -> tuple[Any, Any]:
+NO_MESH_AT_INIT = (
+    "zero1: tx.init found no mesh with axis '{axis}': no jax.set_mesh "
+    "context, and nothing passed to it is placed on one (e.g. the optimizer "
+    "is initialised before the model is sharded, as in Equinox's "
+    "parallelism example). Pass the mesh to the optimizer: "
+    "zero1(..., mesh=mesh), i.e. z1.zero1(opt, axis_name='{axis}', "
+    "mesh=mesh). (Or call tx.init under `with jax.set_mesh(mesh):`, on "
+    "params placed on the mesh, or inside shard_map over '{axis}' as "
+    "z1.init does.)")
+
+
+def find_mesh(axis: str, *trees: Any, fallback: Any = None,
+              at_init: bool = False) -> tuple[Any, Any]:
   """``(mesh for jax.shard_map, the mesh)``: the ``jax.set_mesh`` mesh
   (``None`` for shard_map: it reads the context), else the mesh of the first
   array in ``trees`` with a ``NamedSharding`` that has ``axis`` (params,
@@ -120,6 +131,8 @@ def find_mesh(axis: str, *trees: Any, fallback: Any = None
   if others:
     raise _no_mesh(axis, f"the arguments' mesh has axes {others[0]}, not "
                    f"'{axis}' (pass zero1(..., axis_name=<one of them>))")
+  if at_init:
+    raise ValueError(NO_MESH_AT_INIT.format(axis=axis))
   raise _no_mesh(axis, "no mesh was found (no jax.set_mesh context, and no "
                  f"argument has a NamedSharding with axis '{axis}')")
 
@@ -299,7 +312,7 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   float16 params without an explicit ``loss_scale`` (:func:`check_fp16_scale`)."""
   axis = tx.config.axis_name
   check_fp16_scale(tx, boxes.strip(params))
-  mesh, where = find_mesh(axis, params, fallback=tx.config.mesh)
+  mesh, where = find_mesh(axis, params, fallback=tx.config.mesh, at_init=True)
   n = where.shape[axis]
   one_device.warn_if_one_device(n, axis, stacklevel=3)   # the caller of tx.init
   off = _off_mesh(mesh, {"params": params})
