@@ -168,3 +168,52 @@ def test_one_line_gives_a_nth_of_the_state_and_optax_weights(runs):
   assert zero1_bytes == sum(x.nbytes // N if x.ndim else x.nbytes
                             for x in leaves), (zero1_bytes, optax_bytes)
   assert zero1_bytes * N < optax_bytes * 1.5, (zero1_bytes, optax_bytes)
+
+
+def _tutorial_program(state_in, state_out):
+  """JAX's distributed-arrays tutorial style: a params dict placed
+  replicated, a step jitted with explicit in_shardings / out_shardings."""
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  r = np.random.default_rng(0)
+  params = jax.device_put({"w": r.normal(size=(12, 5)).astype(np.float32),
+                           "b": np.zeros(5, np.float32)}, rep)
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  opt_state = tx.init(params)
+
+  def step(params, opt_state, x):
+    grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  shard = {"P()": rep, "as placed": None}
+  step = jax.jit(step, in_shardings=(rep, shard[state_in], rows),
+                 out_shardings=(rep, shard[state_out]))
+  x = jax.device_put(r.normal(size=(16, 12)).astype(np.float32), rows)
+  return step, params, opt_state, x
+
+
+def test_tutorial_out_shardings_replicating_the_state_warn_with_the_fix():
+  """out_shardings give the state P(): the step that receives it warns,
+  says the whole state is replicated and names the shardings to give it."""
+  step, params, opt_state, x = _tutorial_program("as placed", "P()")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # the first step receives zero1's placement
+    params, opt_state = step(params, opt_state, x)
+  with pytest.warns(UserWarning, match="places zero1's optimizer state") as w:
+    step(params, opt_state, x)
+  msg = next(str(m.message) for m in w if "zero1" in str(m.message))
+  assert "Every misplaced leaf is whole on each device" in msg, msg
+  assert "in_shardings / out_shardings" in msg, msg
+  assert "jax.tree.map(lambda x: x.sharding, state)" in msg, msg
+
+
+def test_tutorial_in_shardings_replicating_the_state_is_jax_s_error():
+  """in_shardings P() against the state tx.init placed: JAX refuses the
+  call when it compares the arguments with in_shardings, after tracing
+  (zero1's update has run) and before lowering; nothing zero1 runs can see
+  in_shardings (the traced state is typed as the argument, not as
+  in_shardings). docs/flax_programs.md says what the error means here."""
+  step, params, opt_state, x = _tutorial_program("P()", "P()")
+  with pytest.raises(ValueError, match="Sharding passed to jit does not match"):
+    step(params, opt_state, x)
