@@ -54,6 +54,7 @@ from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import placement
 from zero1_jax.core import specs as zspecs
+from zero1_jax.core import sharded_grads
 from zero1_jax.core.sharded_grads import ShardedGrads
 
 LOCAL = "local"        # this device's own gradient inside shard_map: sum, then / N
@@ -369,6 +370,9 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
   grads, state, params = boxes.strip((grads, state, params))
   layout = lay.plan(params if pa is None else pa.local_tree(params), n,
                     None if pa is None else pa.taken)
+  shards = sharded_grads.lookup(grads)   # z1.value_and_grad's, as returned
+  if shards is not None:
+    grads = ShardedGrads(shards)
   if isinstance(grads, ShardedGrads):   # z1.value_and_grad: reduced already
     if pa is not None:
       raise ValueError(SHARDED_2D)
