@@ -217,3 +217,41 @@ def test_tutorial_in_shardings_replicating_the_state_is_jax_s_error():
   step, params, opt_state, x = _tutorial_program("P()", "P()")
   with pytest.raises(ValueError, match="Sharding passed to jit does not match"):
     step(params, opt_state, x)
+
+
+class FsdpLM(nn.Module):
+  """nanodo's FSDP mode: kernels annotated over the data axis itself."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    init = nn.initializers.normal(0.5)
+    x = nn.Embed(VOCAB, 16, embedding_init=nn.with_partitioning(
+        init, (None, "data")))(tokens)
+    return nn.Dense(VOCAB, use_bias=False, kernel_init=nn.with_partitioning(
+        init, ("data", None)))(x)
+
+
+def test_fsdp_params_keep_optax_and_are_refused_naming_it():
+  """Params sharded over the data axis: optax's state already follows them,
+  1/N per device (the measurement the refusal rests on), and zero1 refuses
+  them saying so."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("data",))
+  model = FsdpLM()
+
+  def make_init(tx):
+    def init(key):
+      params = model.init(key, jnp.ones((1, LEN), jnp.int32))["params"]
+      return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    return init
+
+  init = make_init(optax.adamw(1e-2))
+  shardings = nn.get_sharding(jax.eval_shape(init, jax.random.key(0)), mesh)
+  state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+  for x in jax.tree.leaves(state.opt_state):
+    if x.ndim:
+      assert x.addressable_shards[0].data.size * N == x.size, x.sharding
+  with pytest.raises(ValueError, match=r"sharded over the data axis 'data'.*"
+                     r"FSDP.*optax's own state already follows their "
+                     r"sharding.*keep the plain optax optimizer"):
+    jax.eval_shape(make_init(z1.zero1(optax.adamw(1e-2), axis_name="data",
+                                      mesh=mesh)), jax.random.key(0))
