@@ -92,17 +92,24 @@ def context_rules() -> tuple:
   return tuple(spmd.get_logical_axis_rules()) if spmd is not None else ()
 
 
-def mesh_axes(box, sizes: Mapping[str, int], rules: Any, where: str) -> P:
+def mesh_axes(box, sizes: Mapping[str, int], rules: Any, where: str,
+              data_axis: str | None = None) -> P:
   """The mesh ``PartitionSpec`` of a linen box's value.
 
   ``nn.Partitioned``: its names are mesh axes. ``nn.LogicallyPartitioned``:
   its names go through the box's own rules, else ``rules`` (as
   ``nn.logical_to_mesh_axes`` maps them: a name no rule maps is unsharded);
   with no rules at all, names that are all mesh axes are taken as such.
+  With no rules and every mesh axis but ``data_axis`` of size 1 (a
+  data-parallel mesh, e.g. flax's lm1b with its ``jax.eval_shape`` of the
+  init outside its rules), logical names are unsharded: whatever the rules
+  map them to splits nothing. (A rule mapping one to the data axis itself
+  is refused once the rules are known, at the update.)
 
   Raises:
     ValueError: logical names that are not mesh axes and no rules to map
-      them, naming the ways to pass the rules.
+      them on a mesh with other axes of size > 1, naming the ways to pass
+      the rules.
   """
   names = tuple(box.names)
   if not is_logical(box):
@@ -114,13 +121,19 @@ def mesh_axes(box, sizes: Mapping[str, int], rules: Any, where: str) -> P:
   flat = [a for n in names if n is not None
           for a in ((n,) if isinstance(n, str) else n)]
   missing = [a for a in flat if a not in sizes]
+  if missing and data_axis is not None and all(
+      int(m) == 1 for a, m in sizes.items() if a != data_axis):
+    return P(*(n if n is not None and all(a in sizes for a in _axes(n))
+               else None for n in names))
   if missing:
     raise ValueError(
         f"zero1: parameter {where} is annotated with the logical axis names "
         f"{names} (nn.with_logical_partitioning), and no logical axis rules "
         f"map them to the mesh's axes {tuple(sizes)}: {missing[0]!r} is not "
         f"a mesh axis. Pass the rules your program shards with: "
-        f"zero1(..., logical_axis_rules=rules), or call tx.init / "
+        f"zero1(..., logical_axis_rules=rules) (needed when the state is "
+        f"first built outside the rules' context, e.g. by jax.eval_shape of "
+        f"the init as flax's lm1b does), or call tx.init / "
         f"TrainState.create under `with nn.logical_axis_rules(rules):`.")
   return P(*names)
 
@@ -129,39 +142,70 @@ def _axes(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _same(a, b) -> bool:
+def _same(a, b, sizes: Mapping[str, int] | None = None) -> bool:
+  """Same placement; axes of size 1 in ``sizes`` aside (they split nothing)."""
   n = max(len(a), len(b))
-  pad = lambda s: [_axes(e) for e in tuple(s) + (None,) * (n - len(s))]
+  real = lambda e: tuple(x for x in _axes(e) if (sizes or {}).get(x) != 1)
+  pad = lambda s: [real(e) for e in tuple(s) + (None,) * (n - len(s))]
   return pad(a) == pad(b)
 
 
-def _box_names(spec: P, box, rules: Any) -> tuple:
+def _data_name(entry, sizes: Mapping[str, int] | None, data_axis: str | None):
+  """A name for the dim placed ``entry`` (which holds the data axis) that
+  any logical axis rules pass through unchanged: flax maps only string
+  names and passes tuples of mesh axes as they are, but ``PartitionSpec``
+  folds a 1-tuple into a string. So the data axis alone is paired with a
+  mesh axis of size 1 (which splits nothing): ``('data', 'tensor')``.
+  Without such an axis: ``entry`` itself (a rule must then map it)."""
+  axes = _axes(entry)
+  if len(axes) > 1:
+    return axes
+  units = [a for a, m in (sizes or {}).items()
+           if int(m) == 1 and a not in axes and a != data_axis]
+  return (axes[0], units[0]) if axes and units else entry
+
+
+def _box_names(spec: P, box, rules: Any, sizes: Mapping[str, int] | None = None,
+               data_axis: str | None = None, own: bool = True) -> tuple:
   """Names for the box of a state leaf placed as ``spec`` whose parameter
-  is boxed as ``box``: under ``rules`` they must map back to ``spec``.
+  is boxed as ``box``: under the program's rules they must map back to
+  ``spec``.
 
   The parameter's logical names are kept; on the shard dim the data axis
   goes in as a logical name the rules map to it alone (``'batch'`` under
-  ``('batch', 'data')``), or, shared with other axes there, as their tuple
-  (rules pass tuples through; ``PartitionSpec`` folds a 1-tuple into a
-  string, which rules would then look up). Without rules, or when no
-  rule fits: the spec's mesh axes themselves."""
+  ``('batch', 'data')``), else as a tuple of mesh axes that rules pass
+  through (:func:`_data_name`). The rules may not be known yet (a
+  ``jax.eval_shape`` of the init outside ``nn.logical_axis_rules``, as in
+  flax's lm1b): then the logical names with that tuple, which map right
+  under any rules that map the param's names. A bare param among boxed
+  ones (``own`` False) starts from the spec's mesh axes instead.
+  Non-logical boxes, or when no name fits: the spec's mesh axes."""
   raw = tuple(e for e in spec)
-  if not rules or box is None or not is_logical(box):
+  if not is_logical(box):
     return raw
+  rules = getattr(box, "rules", None) or rules
+  # A bare param among boxed ones (``own`` False): its mesh axes as names.
+  names = list(box.names if own else raw)
+  names += [None] * (len(raw) - len(names))
+  if not rules:
+    for d, e in enumerate(raw):
+      if data_axis is not None and data_axis in _axes(e):
+        names[d] = _data_name(e, sizes, data_axis)
+    return tuple(names)
   to_mesh = sys.modules["flax.linen.spmd"].logical_to_mesh_axes
-  names = list(box.names) + [None] * (len(raw) - len(box.names))
   for d, e in enumerate(raw):
     own = to_mesh((names[d],), rules)[0] if names[d] is not None else None
-    if _axes(e) == _axes(own):
+    if _same((e,), (own,), sizes):
       continue
     axes = _axes(e)
     if len(axes) > 1:
       names[d] = axes
       continue
     alias = [r for r, m in rules if _axes(m) == axes and isinstance(r, str)]
-    names[d] = alias[0] if alias else e
+    names[d] = (alias[0] if alias else _data_name(e, sizes, data_axis)
+                if data_axis in axes else e)
   names = tuple(names)
-  return names if _same(to_mesh(names, rules), spec) else raw
+  return names if _same(to_mesh(names, rules), spec, sizes) else raw
 
 
 def _param_boxes(like: Any) -> list[tuple[str, Any]]:
@@ -200,7 +244,45 @@ def _say_optimizer_sharding(found) -> None:
         stacklevel=5)
 
 
-def box_state(state: Any, specs: Any, like: Any, rules: Any = ()) -> Any:
+_STATE_BOX: list = []
+
+
+def state_box_class() -> type:
+  """The box zero1 puts on a state leaf whose params carry none: a subclass
+  of flax's ``nn.Partitioned`` (so flax reads its names as mesh axes), told
+  apart from the boxes a program's own params carry
+  (:func:`strip_state_boxes`). Made once flax is loaded."""
+  if not _STATE_BOX:
+    meta = sys.modules["flax.core.meta"]
+
+    class Zero1Partitioned(meta.Partitioned):
+      """zero1's placement of an optimizer-state leaf (mesh axes). Reads
+      as its value does for ``shape``, ``dtype``, ``ndim``, ``size``."""
+      shape = property(lambda self: self.value.shape)
+      dtype = property(lambda self: self.value.dtype)
+      ndim = property(lambda self: self.value.ndim)
+      size = property(lambda self: self.value.size)
+
+    Zero1Partitioned.__module__ = __name__
+    _STATE_BOX.append(Zero1Partitioned)
+  return _STATE_BOX[0]
+
+
+def is_state_box(x) -> bool:
+  """A box :func:`box_state` added to a state leaf of bare params."""
+  return bool(_STATE_BOX) and isinstance(x, _STATE_BOX[0])
+
+
+def strip_state_boxes(tree: Any) -> Any:
+  """``tree`` without the boxes zero1 added (:func:`is_state_box`): the
+  state as optax holds it for bare params; a program's own boxes stay."""
+  return jax.tree.map(lambda x: x.value if is_state_box(x) else x, tree,
+                      is_leaf=is_state_box)
+
+
+def box_state(state: Any, specs: Any, like: Any, rules: Any = (),
+              sizes: Mapping[str, int] | None = None,
+              data_axis: str | None = None, bare: bool = False) -> Any:
   """``state`` with each sharded leaf wrapped as ``like``'s params are
   wrapped, its metadata naming its spec in ``specs``. Each state leaf takes
   the wrapper of the parameter whose path its path ends with (optax states
@@ -209,11 +291,39 @@ def box_state(state: Any, specs: Any, like: Any, rules: Any = ()) -> Any:
   (:func:`_box_names`); nnx params: a Variable of the same type with
   ``out_sharding`` the spec (no ``sharding_rules`` or optimizer-sharding
   keys: the spec is in mesh axes). Leaves with a replicated spec stay bare.
-  ``like`` without wrappers: ``state`` unchanged."""
+
+  ``like`` without wrappers: ``state`` unchanged, unless ``bare`` (the
+  mesh came from ``zero1(mesh=)``, outside ``jax.set_mesh``: how a program
+  builds its state under ``jax.eval_shape`` before placing anything) and
+  flax is loaded: then each sharded leaf is in a box naming its spec
+  (:func:`state_box_class`, an ``nn.Partitioned``), since flax derives
+  shardings from an abstract state only through boxes
+  (``nn.get_sharding(jax.eval_shape(init), mesh)``; a bare leaf is ``P()``,
+  replicated)."""
   found = _param_boxes(like)
   if not found:
-    return state
+    if not bare or sys.modules.get("flax.core.meta") is None:
+      return state
+    box = state_box_class()
+    return _map_sharded(state, specs, lambda x, spec: box(x, tuple(spec)))
   _say_optimizer_sharding(found)
+
+  def wrap(x, spec, key):
+    mine = [b for p, b in found if p and key.endswith(p)]
+    template = mine[0] if mine else found[0][1]
+    if is_box(template):
+      return template.replace(value=x, names=_box_names(
+          spec, template, rules, sizes, data_axis, own=bool(mine)))
+    meta = {k: v for k, v in template.get_metadata().items()
+            if k not in _DROP}
+    meta["out_sharding"] = tuple(spec)
+    return type(template).from_metadata(x, meta)
+  return _map_sharded(state, specs, wrap, with_key=True)
+
+
+def _map_sharded(state: Any, specs: Any, wrap, with_key: bool = False) -> Any:
+  """``state`` with ``wrap(leaf, spec[, keystr])`` at each leaf whose spec
+  shards it (the others as they are)."""
   is_p = lambda s: isinstance(s, P)
   flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_p)
   leaves = treedef.flatten_up_to(state)
@@ -221,16 +331,8 @@ def box_state(state: Any, specs: Any, like: Any, rules: Any = ()) -> Any:
   for (path, spec), x in zip(flat, leaves):
     if x is None or not any(e is not None for e in spec):
       out.append(x)
-      continue
-    key = jax.tree_util.keystr(path)
-    mine = [b for p, b in found if p and key.endswith(p)]
-    template = mine[0] if mine else found[0][1]
-    if is_box(template):
-      out.append(template.replace(
-          value=x, names=_box_names(spec, template if mine else None, rules)))
+    elif with_key:
+      out.append(wrap(x, spec, jax.tree_util.keystr(path)))
     else:
-      meta = {k: v for k, v in template.get_metadata().items()
-              if k not in _DROP}
-      meta["out_sharding"] = tuple(spec)
-      out.append(type(template).from_metadata(x, meta))
+      out.append(wrap(x, spec))
   return treedef.unflatten(out)

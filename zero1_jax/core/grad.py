@@ -11,8 +11,13 @@ to the partitioner), differentiating through ZeRO-2's hooks
 (:func:`zero1_jax.core.zero2.reduced_grad_fn`): each leaf's gradient (or
 group of small leaves) is reduce-scattered as the backward produces it, so
 the step moves reduce-scatter Psi + all-gather Psi, as ``z1.train_step`` and
-DeepSpeed do. The gradients come back as :class:`ShardedGrads`, each
-device's summed shard, for ``tx.update`` (``TrainState.apply_gradients``).
+DeepSpeed do. The gradients come back as a tree like the params holding
+``jax.value_and_grad``'s values, sharded over the data axis
+(:mod:`zero1_jax.core.sharded_grads`): tree-maps over them work, and
+``tx.update`` (``TrainState.apply_gradients``) takes them without reducing.
+Arguments that are not arrays (an Equinox model's static part) are closed
+over; a closed-over array sharded over the data axis is warned
+(:mod:`zero1_jax.core.closed_over`).
 
 Stock Flax layers work unchanged: the params are ordinary replicated arrays
 (unlike :func:`zero1_jax.reduced_params`, whose reduced-typed params JAX
@@ -45,7 +50,8 @@ from zero1_jax.core import layout as lay
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
-from zero1_jax.core.sharded_grads import ShardedGrads
+from zero1_jax.core import closed_over
+from zero1_jax.core import sharded_grads
 from zero1_jax.core.tx_config import Zero1Transformation
 
 NOT_ZERO1 = ("z1.value_and_grad(fun, tx): tx must be the transformation "
@@ -75,8 +81,9 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
   Returns:
     ``f``: runs under ``jax.jit`` (or eagerly) with a mesh set by
     ``jax.set_mesh`` or carried by the arguments. ``value`` is the loss of
-    the whole batch (the mean of the devices' means); ``grads`` is a
-    :class:`ShardedGrads` that only ``tx.update`` reads.
+    the whole batch (the mean of the devices' means); ``grads`` is a tree
+    like ``params`` of jax.value_and_grad's values, sharded over the data
+    axis, which ``tx.update`` takes without reducing.
 
   Raises:
     TypeError: ``tx`` is not zero1's.
@@ -92,15 +99,20 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     raise ValueError("batch_argnums: position 0 is the params")
 
   def f(params, *args):
+    # What jax.value_and_grad takes besides arrays (an Equinox model's
+    # static part) is closed over; the shard_map takes the arrays.
+    args, rebuild = closed_over.split_static(args)
     mesh, where = jm.find_mesh(axis, params, *args, fallback=cfg.mesh)
     n = where.shape[axis]
     if pax.resolve(params, dict(where.shape), axis, cfg.param_specs) is not None:
       raise ValueError(jm.SHARDED_2D)
     layout = lay.plan(params, n)
+    closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
+                                  (params,) + args, axis, n, argnums)
 
     def per_device(p, *a):
       def loss_of(q, a):
-        out = fun(q, *a)
+        out = fun(q, *rebuild(a))
         loss, aux = out if has_aux else (out, None)
         return loss, (loss, aux)
       g, (loss, aux) = zero2.reduced_grad_fn(loss_of, p, cfg, n)(a)
@@ -120,7 +132,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
         out_specs=(P(), P(), g_specs), axis_names={axis},
         check_vma=False)(params, *args)
     value = (loss, aux) if has_aux else loss
-    return value, ShardedGrads(grads)
+    return value, sharded_grads.publish(grads, params, n)
 
   return f
 

@@ -54,6 +54,7 @@ from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import placement
 from zero1_jax.core import specs as zspecs
+from zero1_jax.core import sharded_grads
 from zero1_jax.core.sharded_grads import ShardedGrads
 
 LOCAL = "local"        # this device's own gradient inside shard_map: sum, then / N
@@ -83,8 +84,19 @@ def _no_mesh(axis: str, why: str) -> ValueError:
       f"jax.set_mesh).")
 
 
-def find_mesh(axis: str, *trees: Any, fallback: Any = None
-              ) -> tuple[Any, Any]:
+NO_MESH_AT_INIT = (
+    "zero1: tx.init found no mesh with axis '{axis}': no jax.set_mesh "
+    "context, and nothing passed to it is placed on one (e.g. the optimizer "
+    "is initialised before the model is sharded, as in Equinox's "
+    "parallelism example). Pass the mesh to the optimizer: "
+    "zero1(..., mesh=mesh), i.e. z1.zero1(opt, axis_name='{axis}', "
+    "mesh=mesh). (Or call tx.init under `with jax.set_mesh(mesh):`, on "
+    "params placed on the mesh, or inside shard_map over '{axis}' as "
+    "z1.init does.)")
+
+
+def find_mesh(axis: str, *trees: Any, fallback: Any = None,
+              at_init: bool = False) -> tuple[Any, Any]:
   """``(mesh for jax.shard_map, the mesh)``: the ``jax.set_mesh`` mesh
   (``None`` for shard_map: it reads the context), else the mesh of the first
   array in ``trees`` with a ``NamedSharding`` that has ``axis`` (params,
@@ -120,6 +132,8 @@ def find_mesh(axis: str, *trees: Any, fallback: Any = None
   if others:
     raise _no_mesh(axis, f"the arguments' mesh has axes {others[0]}, not "
                    f"'{axis}' (pass zero1(..., axis_name=<one of them>))")
+  if at_init:
+    raise ValueError(NO_MESH_AT_INIT.format(axis=axis))
   raise _no_mesh(axis, "no mesh was found (no jax.set_mesh context, and no "
                  f"argument has a NamedSharding with axis '{axis}')")
 
@@ -299,7 +313,7 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   float16 params without an explicit ``loss_scale`` (:func:`check_fp16_scale`)."""
   axis = tx.config.axis_name
   check_fp16_scale(tx, boxes.strip(params))
-  mesh, where = find_mesh(axis, params, fallback=tx.config.mesh)
+  mesh, where = find_mesh(axis, params, fallback=tx.config.mesh, at_init=True)
   n = where.shape[axis]
   one_device.warn_if_one_device(n, axis, stacklevel=3)   # the caller of tx.init
   off = _off_mesh(mesh, {"params": params})
@@ -322,7 +336,10 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   state = jax.jit(f)(params)   # eager shard_map would dispatch op by op
   rules = (tx.config.logical_axis_rules or boxes.context_rules()
            or getattr(tx, "seen_rules", ()))
-  return boxes.box_state(state, specs, like, rules)
+  # zero1(mesh=) outside jax.set_mesh: a program placing what it derives
+  # from the (abstract) state's metadata, e.g. nn.get_sharding.
+  bare = tx.config.mesh is not None and jax.sharding.get_abstract_mesh().empty
+  return boxes.box_state(state, specs, like, rules, sizes, axis, bare=bare)
 
 
 SHARDED_2D = (
@@ -353,6 +370,9 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
   grads, state, params = boxes.strip((grads, state, params))
   layout = lay.plan(params if pa is None else pa.local_tree(params), n,
                     None if pa is None else pa.taken)
+  shards = sharded_grads.lookup(grads)   # z1.value_and_grad's, as returned
+  if shards is not None:
+    grads = ShardedGrads(shards)
   if isinstance(grads, ShardedGrads):   # z1.value_and_grad: reduced already
     if pa is not None:
       raise ValueError(SHARDED_2D)

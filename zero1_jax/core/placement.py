@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Any, Mapping
 
@@ -74,11 +75,33 @@ def _typed_spec(x) -> P | None:
     return None
 
 
+EQUINOX_FIX = (
+    "Equinox: leave the optimizer state out of the replicated constraint: "
+    "`model = eqx.filter_shard(model, replicated)` (opt_state stays as "
+    "tx.init placed it), not `model, opt_state = eqx.filter_shard((model, "
+    "opt_state), replicated)`.")
+
+REPLICATED = (
+    "Every misplaced leaf is whole on each device: something gives the "
+    "state P() (a jit's in_shardings / out_shardings, jax.device_put, or a "
+    "sharding constraint over the model and the state together). ")
+
+
+def fix_for_replicated() -> str:
+  """The one change for a state replicated on purpose, in the program's
+  framework (Equinox's parallelism example constrains (model, opt_state)
+  replicated), else the general fix."""
+  if "equinox" in sys.modules:
+    return REPLICATED + EQUINOX_FIX + " Otherwise: " + FIX
+  return REPLICATED + FIX
+
+
 class _Report:
   """Collects the per-leaf measurements of one check and warns once."""
 
-  def __init__(self, names, planned, expected):
+  def __init__(self, names, planned, expected, whole=None):
     self.names, self.planned, self.expected = names, planned, expected
+    self.whole = whole or {}   # leaf -> its bytes if whole on each device
     self.got: dict[int, tuple[int, str]] = {}
 
   def add(self, i: int, nbytes: int, how: str):
@@ -101,7 +124,9 @@ class _Report:
         f"{self.got[first][0]} B per device, planned "
         f"{self.planned[first]} B). Measured: {held} B of zero1's state per "
         f"device where zero1 planned {plan} B, and each step re-shards it. "
-        + FIX, UserWarning, stacklevel=2)
+        + (fix_for_replicated()
+           if all(self.got[i][0] == self.whole.get(i) for i in bad) else FIX),
+        UserWarning, stacklevel=2)
 
 
 def check(state: Any, specs: Any, sizes: Mapping[str, int],
@@ -122,7 +147,9 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
   # each step then re-shards it (an all-to-all).
   pieces = {i: per_device_shape(np.shape(leaves[i]), spec_leaves[i], sizes)
             for i in idx}
-  report = _Report(paths, planned, len(idx))
+  whole = {i: math.prod(np.shape(leaves[i])) * jnp.dtype(leaves[i].dtype).itemsize
+           for i in idx}
+  report = _Report(paths, planned, len(idx), whole)
   out = list(leaves)
   for i in idx:
     x, spec = leaves[i], spec_leaves[i]

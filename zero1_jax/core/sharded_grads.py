@@ -1,13 +1,25 @@
-"""``ShardedGrads``: gradients already reduced to each device's shard.
+"""The gradients ``z1.value_and_grad`` returns, and how ``tx.update`` knows them.
 
-:func:`zero1_jax.value_and_grad` returns them in plain ``jax.jit`` code: per
-parameter leaf, the gradient summed over the data axis, as the global array
-whose block on each device is that device's shard (zero1's layout: the
-parameter's shape padded on its shard dim to a multiple of N, sharded over
-the data axis there; scalars whole; None at integer and zero-size leaves).
-They are made to be handed to ``tx.update`` (``TrainState.apply_gradients``,
-``nnx.Optimizer.update``), which then reduces nothing: the gradients' only
-collective was the backward's reduce-scatter.
+Per parameter leaf, the backward leaves each device the gradient summed over
+the data axis on its shard (zero1's layout: the parameter padded on its
+shard dim to a multiple of N). :func:`publish` hands the program a tree of
+the params' structure whose leaves hold jax.value_and_grad's values: each
+leaf those shards divided by N (the mean loss's gradient), cut back to the
+parameter's shape, and left sharded over the data axis (no collective). So
+code that tree-maps over gradients (global norms, means, accumulation,
+``jax.tree.map(f, grads, params)``) sees what it sees with
+``jax.value_and_grad``, and a global norm is right: the padding is cut off,
+not summed.
+
+``tx.update`` takes them back without reducing anything: :func:`lookup`
+finds, for the very leaves :func:`publish` returned, the summed shards they
+were made from (the mean arrays are then unused and XLA drops them).
+Gradients built from them (``jax.tree.map(lambda g: g / k, grads)``) are
+new arrays: ``tx.update`` takes those as jax.grad's, so the numbers are
+right and the update gathers them first. Integer params get zeros.
+
+:class:`ShardedGrads` (the summed shards, wrapped) is still accepted by
+``tx.update``.
 
 Example:
   >>> import jax.numpy as jnp
@@ -18,14 +30,16 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_pytree_node_class
 class ShardedGrads:
-  """A tree of reduced gradient shards (see the module docstring)."""
+  """A tree of reduced (summed) gradient shards, for ``tx.update``."""
 
   def __init__(self, tree: Any):
     self.tree = tree
@@ -48,3 +62,64 @@ class ShardedGrads:
 
   def __repr__(self) -> str:
     return f"ShardedGrads({self.tree!r})"
+
+
+# id(published leaf) -> (weakref to it, the summed shard it came from)
+_SHARDS: dict[int, tuple[Any, Any]] = {}
+
+
+def _remember(leaf, shard) -> None:
+  key = id(leaf)
+  _SHARDS[key] = (weakref.ref(leaf, lambda _, key=key: _SHARDS.pop(key, None)),
+                  shard)
+
+
+def _cut(g, shape) -> Any:
+  """``g`` without the padding past ``shape``. On an Explicit data axis JAX
+  slices a sharded dim only to a multiple of the axis: such a leaf is made
+  whole first (XLA drops it all if nothing but ``tx.update`` reads it)."""
+  if tuple(g.shape) == tuple(shape):
+    return g
+  spec = getattr(getattr(jax.typeof(g), "sharding", None), "spec", None)
+  parts = () if spec is None else (
+      tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec))
+  if any(e is not None for e in parts):   # typed sharded: Explicit axes
+    g = jax.sharding.reshard(g, jax.sharding.PartitionSpec())
+  return g[tuple(slice(0, d) for d in shape)]
+
+
+def publish(shards: Any, params: Any, n: int) -> Any:
+  """The program's gradients from ``shards`` (the backward's summed shards,
+  a tree like ``params`` with None at integer / zero-size leaves): a tree
+  like ``params`` of ``shard / n`` cut to each parameter's shape."""
+  p_leaves, treedef = jax.tree.flatten(params)
+  s_leaves = treedef.flatten_up_to(shards)
+  out = []
+  for p, s in zip(p_leaves, s_leaves):
+    if s is None:
+      z = jnp.zeros(jnp.shape(p), jnp.result_type(p))
+      _remember(z, None)
+      out.append(z)
+      continue
+    g = _cut((s / n).astype(s.dtype), jnp.shape(p))
+    _remember(g, s)
+    out.append(g)
+  return treedef.unflatten(out)
+
+
+def lookup(grads: Any) -> Any | None:
+  """The summed shards behind ``grads`` (a tree like :func:`publish`
+  returned, None at its zero leaves) if every floating leaf is one
+  :func:`publish` returned, else None."""
+  leaves, treedef = jax.tree.flatten(grads)
+  out, found = [], False
+  for g in leaves:
+    hit = _SHARDS.get(id(g))
+    if hit is not None and hit[0]() is g:
+      out.append(hit[1])
+      found = found or hit[1] is not None
+    elif jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+      return None
+    else:
+      out.append(None)
+  return treedef.unflatten(out) if found else None

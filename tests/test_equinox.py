@@ -1,0 +1,90 @@
+"""Equinox programs (docs/equinox.md): the page's program on Auto and
+Explicit meshes, the example's replicated (model, opt_state) warned with the
+one change, tx.init before anything is placed, and z1.value_and_grad on an
+eqx.partition'ed model.
+
+Weights bound: as tests/test_flax_programs.py (plain-jit mode, the same
+Adam chain on the gradient jit reduced): 36 K u relative over K steps.
+"""
+
+import pathlib
+import re
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import zero1_jax as z1
+from zero1_jax.core import placement
+from helpers import assert_close
+
+K = 5
+RTOL = 36 * K * 2.0 ** -24
+PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "equinox.md"
+
+
+@pytest.fixture(scope="module")
+def page():
+  """The page's program, its definitions only (the loop at its end is what
+  tests/test_docs.py runs)."""
+  block = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)[0]
+  scope = {"__name__": "equinox_page"}
+  exec(compile(block.split("\nfor kind in")[0], str(PAGE), "exec"), scope)  # noqa: S102
+  return scope
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_page_program_matches_optax_with_an_eighth_of_the_state(page, kind):
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    ref, ref_state = page["train"](False, kind, K)
+    got, state = page["train"](True, kind, K)
+  assert not [m for m in w if "zero1" in str(m.message)], [str(m.message) for m in w]
+  assert_close(jax.tree.leaves(eqx.filter(got, eqx.is_array)),
+               jax.tree.leaves(eqx.filter(ref, eqx.is_array)), RTOL, "eqx ")
+  zb, ob = z1.inspect.device_bytes(state), z1.inspect.device_bytes(ref_state)
+  for x in jax.tree.leaves(state):
+    if x.ndim:
+      assert x.addressable_shards[0].data.size * 8 == x.size, x.sharding
+  assert zb * 8 < ob * 1.5, (zb, ob)
+
+
+def _mlp():
+  return eqx.nn.MLP(6, 3, width_size=16, depth=1, key=jax.random.key(0))
+
+
+def test_replicating_model_and_state_warns_with_the_one_change():
+  """Equinox's parallelism example: eqx.filter_shard((model, opt_state),
+  replicated) inside the step. The warning names the change."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  replicated = NamedSharding(mesh, P())
+  model = _mlp()
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
+  opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+  @eqx.filter_jit
+  def step(model, opt_state, x):
+    model, opt_state = eqx.filter_shard((model, opt_state), replicated)
+    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    updates, opt_state = tx.update(grads, opt_state,
+                                   eqx.filter(model, eqx.is_inexact_array))
+    return eqx.apply_updates(model, updates), opt_state
+
+  x = jax.device_put(jnp.ones((16, 6)), NamedSharding(mesh, P("data")))
+  with pytest.warns(UserWarning, match="places zero1's optimizer state") as w:
+    step(model, opt_state, x)
+  msg = next(str(m.message) for m in w if "zero1" in str(m.message))
+  assert placement.EQUINOX_FIX in msg, msg
+  assert "Every misplaced leaf is whole on each device" in msg, msg
+
+
+def test_init_before_anything_is_placed_names_mesh_keyword():
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  with pytest.raises(ValueError, match=r"no mesh with axis 'data'.*Equinox.*"
+                     r"z1\.zero1\(opt, axis_name='data', mesh=mesh\)"):
+    tx.init(eqx.filter(_mlp(), eqx.is_inexact_array))
