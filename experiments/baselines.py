@@ -220,7 +220,7 @@ def floor_init(params: Any, mesh: jax.sharding.Mesh) -> tuple[Any, None]:
 
 def floor_train_step(loss_fn: Callable, mesh: jax.sharding.Mesh, *,
                      axis: str = AXIS, lr: float = 1e-4,
-                     donate: bool = True) -> Callable:
+                     donate: bool = True, mean_loss: bool = False) -> Callable:
   """The no-communication floor: forward, backward and a local SGD step on
   each device's own batch shard, with no collective at all (the devices'
   params drift apart; only its time and memory are meaningful). Every
@@ -234,7 +234,7 @@ def floor_train_step(loss_fn: Callable, mesh: jax.sharding.Mesh, *,
     loss, grads = jax.value_and_grad(loss_fn)(local, batch)
     new = jax.tree.map(lambda p, g: (p - lr * g).astype(p.dtype) if _floating(p) else p,
                        params, grads)
-    return new, loss
+    return new, jax.lax.pmean(loss, axis) if mean_loss else loss
 
   def step(params, state, batch):
     rep = jax.tree.map(lambda _: P(), params)

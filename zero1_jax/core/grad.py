@@ -47,7 +47,9 @@ from jax.sharding import PartitionSpec as P
 from zero1_jax.core import empty_leaves
 from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
+from zero1_jax.core import order as ordering
 from zero1_jax.core import param_axes as pax
+from zero1_jax.core import platform as platforms
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
 from zero1_jax.core import closed_over
@@ -109,13 +111,21 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     layout = lay.plan(params, n)
     closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
                                   (params,) + args, axis, n, argnums)
+    platform = platforms.resolve(where)
+    # Reduced in the order the backward completes the gradients (core/order.py;
+    # tree order on CPU, which neither combines nor overlaps collectives).
+    order = None if platform == "cpu" else ordering.first_reads(
+        lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux), params, *args)
 
     def per_device(p, *a):
       def loss_of(q, a):
         out = fun(q, *rebuild(a))
         loss, aux = out if has_aux else (out, None)
         return loss, (loss, aux)
-      g, (loss, aux) = zero2.reduced_grad_fn(loss_of, p, cfg, n)(a)
+      g, (loss, aux) = zero2.reduced_grad_fn(loss_of, p, cfg, n, order,
+                                             platform)(a)
+      if order is not None:
+        loss, aux, g = _after_backward(loss, aux, g, order)
       aux = None if aux is None else jax.lax.pmean(aux, axis)
       return jax.lax.pmean(loss, axis), aux, g
 
@@ -135,6 +145,26 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     return value, sharded_grads.publish(grads, params, n)
 
   return f
+
+
+def _after_backward(loss, aux, grads, order):
+  """``loss`` and ``aux`` held until the gradient the backward completes
+  last (the first-read leaf's) exists. XLA's GPU scheduler runs one
+  collective at a time and would otherwise start their all-reduce as soon
+  as the forward ends, holding the slot through most of the backward while
+  the gradients' reduce-scatters wait (BERT-base on 8 H100s: a 971 µs
+  window for 8 bytes)."""
+  leaves, treedef = jax.tree.flatten(grads, is_leaf=lambda x: x is None)
+  last = next((i for i in order if leaves[i] is not None), None)
+  if last is None:
+    return loss, aux, grads
+  loss, aux, leaves[last] = jax.lax.optimization_barrier(
+      (loss, aux, leaves[last]))
+  return loss, aux, treedef.unflatten(leaves)
+
+
+def _loss_only(out, has_aux: bool):
+  return out[0] if has_aux else out
 
 
 def _split(x, mesh, where, axis: str):

@@ -53,6 +53,7 @@ from zero1_jax.core import offload as ofl
 from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import placement
+from zero1_jax.core import platform as platforms
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import sharded_grads
 from zero1_jax.core.sharded_grads import ShardedGrads
@@ -402,7 +403,8 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
                               for x, a in zip(leaves, is_array)])
 
   f = empty_leaves.shard_map(
-      lambda g, s, p, a: update_in(g, s, p, mode, pa, extra_args=extra(a)),
+      lambda g, s, p, a: update_in(g, s, p, mode, pa, extra_args=extra(a),
+                                   platform=platforms.resolve(where)),
       mesh=mesh, in_specs=(g_specs, s_specs, p_specs, [P()] * len(arrays)),
       out_specs=(p_specs, s_specs), check_vma=False)
   return jax.jit(f)(grads, state, params, arrays)

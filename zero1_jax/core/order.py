@@ -8,8 +8,8 @@ reads the leaf; so both are grouped by the position of each leaf's first
 read in the loss's jaxpr (:func:`first_reads`), not by the tree's key order
 (``layers_10`` sorts before ``layers_2``).
 
-:func:`groups` cuts that order into groups of at most ``group_bytes``; each
-group's collectives carry their own XLA ``combiner_key`` (:func:`tagged`), so
+:func:`zero1_jax.core.layout.plan_buckets` cuts that order into groups;
+each group's collectives carry their own XLA ``combiner_key`` (:func:`tagged`), so
 XLA's GPU collective combiners (which run before scheduling and would merge
 a whole backward's reduce-scatters into one that waits for the last
 gradient) combine within a group but never across groups.
@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 
@@ -85,28 +85,6 @@ def first_reads(fn: Callable, params: Any, *args: Any) -> tuple[int, ...]:
   _reads(jaxpr, positions, [0], seen)
   never = len(jaxpr.eqns) * 10 + 1
   return tuple(sorted(range(len(leaves)), key=lambda i: (seen.get(i, never), i)))
-
-
-def groups(order: Sequence[int], sizes: Sequence[int], group_bytes: int
-           ) -> list[list[int]]:
-  """``order`` cut into consecutive groups of at most ``group_bytes``
-  (``sizes[i]``: leaf ``i``'s bytes; a larger leaf is a group of its own).
-
-  Example:
-    >>> groups([2, 0, 1], [10, 10, 30], 25)   # leaf 2 is 30 bytes
-    [[2], [0, 1]]
-    >>> groups([2, 0, 1], [10, 10, 5], 25)
-    [[2, 0, 1]]
-  """
-  out: list[list[int]] = []
-  used = 0
-  for i in order:
-    if not out or used + sizes[i] > group_bytes:
-      out.append([])
-      used = 0
-    out[-1].append(i)
-    used += sizes[i]
-  return out
 
 
 def tagged(key: str | None):

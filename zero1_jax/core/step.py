@@ -37,6 +37,7 @@ from zero1_jax.core import inflight
 from zero1_jax.core import one_device
 from zero1_jax.core import order as ordering
 from zero1_jax.core import param_axes as pax
+from zero1_jax.core import platform as platforms
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
 from zero1_jax.core.transform import Zero1State, Zero1Transformation
@@ -295,10 +296,10 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
   accum = int(grad_accum_steps)
   if accum < 1:
     raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-  platform = _platform(mesh)
+  platform = platforms.resolve(mesh)
   stage2 = tx.config.stage == 2
   if shard_params == "auto":
-    shard_params = (platform or jax.default_backend()) != "cpu"
+    shard_params = platform != "cpu"
   elif shard_params not in (True, False):
     raise ValueError(f"shard_params must be True, False or 'auto', got "
                      f"{shard_params!r}")
@@ -354,7 +355,7 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     None (tree order) on CPU, which neither combines nor overlaps
     collectives: its programs (and their rounding, which the CPU tests pin
     bitwise) stay those of tree order."""
-    if (platform or jax.default_backend()) == "cpu":
+    if platform == "cpu":
       return None
     mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (x.shape[1] // n,) + x.shape[2:], x.dtype), batch)
@@ -371,7 +372,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
           layout, tuple(jnp.dtype(x.dtype) for x in leaves),
           int(tx.config.gather_bucket_bytes or tx.config.bucket_bytes),
           tx.config.inplace_threshold(n, platform),
-          tuple(i for i in (order or range(len(leaves))) if i in keep))
+          tuple(i for i in (order or range(len(leaves))) if i in keep),
+          None if order is None else "first")
       whole = col.all_gather(blocks, layout, buckets, axis)
       params = layout.treedef.unflatten(
           [whole[i] if i in keep else x for i, x in enumerate(leaves)])
@@ -464,15 +466,6 @@ def _placed(x, where: NamedSharding) -> bool:
   strip = lambda spec: tuple(spec)[:max([i + 1 for i, a in enumerate(spec)
                                          if a is not None], default=0)]
   return strip(s.spec) == strip(where.spec)
-
-
-def _platform(mesh) -> str | None:
-  """The platform ('gpu', 'cpu', ...) of a concrete mesh's devices (a
-  compile-only GPU mesh's too); None for an abstract mesh."""
-  try:
-    return mesh.devices.flat[0].platform
-  except (AttributeError, IndexError, ValueError):
-    return None
 
 
 _NO_STAGE2_2D = (

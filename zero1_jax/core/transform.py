@@ -265,8 +265,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     # tx.config, not cfg: zero2() sets the stage after this closure was made.
     small = tx.config.inplace_threshold(n, platform)
     fwd = tuple(range(len(p_leaves))) if order is None else tuple(order)
-    r_buckets = lay.plan_buckets(layout, tuple(comm), int(cfg.bucket_bytes),
-                                 small, None if order is None else fwd[::-1])
+    r_buckets = lay.plan_buckets(
+        layout, tuple(comm), int(cfg.bucket_bytes), small,
+        *((None, None) if order is None else (fwd[::-1], "last")))
     g_buckets = lay.plan_buckets(
         layout, tuple(jnp.dtype(p.dtype) for p in p_leaves),
         int(cfg.gather_bucket_bytes or cfg.bucket_bytes), small,
@@ -412,10 +413,11 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     return boxes.rebox(like, updates), new_state
 
   def update_as(grads, state, params, grads_are, param_axes=None,
-                extra_args=None):
+                extra_args=None, platform=None):
     new_params, new_state, _ = apply_fn(grads, state, params, grads_are,
                                         param_axes=param_axes,
-                                        extra_args=extra_args)
+                                        extra_args=extra_args,
+                                        platform=platform)
 
     def diff(new, p):
       # In the param dtype, as optax returns updates. For bf16/fp16 params

@@ -181,18 +181,15 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config,
 def _tags(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config
           ) -> list[str]:
   """Each hook group's XLA combiner_key: consecutive groups of at most
-  ``cfg.bucket_bytes`` in all share one (:mod:`zero1_jax.core.order`)."""
+  ``cfg.bucket_bytes`` in all share one, smaller towards the end of the
+  backward, which nothing hides (:func:`zero1_jax.core.layout.group_ids`)."""
   n = layout.num_shards
-  sizes = {}
-  for k, idx in enumerate(groups):
-    sizes[k] = sum(n * layout.leaves[i].shard_size
-                   * comm_dtype(layout.leaves[i], cfg).itemsize for i in idx)
-  cut = ordering.groups(range(len(groups)), sizes, int(cfg.bucket_bytes))
-  tag = {}
-  for g, members in enumerate(cut):
-    for k in members:
-      tag[k] = col.REDUCE_KEY.format(g)
-  return [tag[k] for k in range(len(groups))]
+  sizes = [sum(n * layout.leaves[i].shard_size
+               * comm_dtype(layout.leaves[i], cfg).itemsize for i in idx)
+           for idx in groups]
+  return [col.REDUCE_KEY.format(g) for g in
+          lay.group_ids(sizes, min(int(cfg.bucket_bytes), lay.GROUP_BYTES),
+                        "last")]
 
 
 def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,

@@ -110,6 +110,16 @@ def build_tx(cfg: zconfig.DeepSpeedConfig, axis_name: str = "data"
       offload=cfg.zero.offload_optimizer == "cpu")
 
 
+def make_step(config: zconfig.DeepSpeedConfig, tx: Any, loss_fn: Callable,
+              mesh: jax.sharding.Mesh, *, has_aux: bool = False) -> Callable:
+  """The jitted step :class:`Engine` runs (``z1.train_step`` with the
+  config's accumulation): ``step.lower(params, opt_state, batch)`` compiles
+  the engine's program on abstract arguments too."""
+  return zstep.train_step(loss_fn, tx, mesh,
+                          grad_accum_steps=config.gradient_accumulation_steps,
+                          has_aux=has_aux)
+
+
 class Engine:
   """Holds params, sharded optimizer state and counters; one call a step.
 
@@ -147,9 +157,7 @@ class Engine:
     self.steps_per_print: int | None = config.steps_per_print
     self._ckpts: dict = {}
     self._batch_checked = False   # multi-process: the same batch everywhere
-    self._step = zstep.train_step(
-        loss_fn, self.tx, mesh,
-        grad_accum_steps=config.gradient_accumulation_steps, has_aux=has_aux)
+    self._step = make_step(config, self.tx, loss_fn, mesh, has_aux=has_aux)
 
   @property
   def train_batch_size(self) -> int:

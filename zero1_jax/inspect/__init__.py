@@ -40,15 +40,18 @@ def hlo_collectives(hlo_text: str) -> dict[str, Collective]:
 
   Async pairs count once, at their ``-start``; an all-gather-start or
   reduce-scatter-start returns ``(operands, results)`` (the GPU form), of
-  which only the results are counted."""
+  which only the results are counted; so does an all-reduce-start printed
+  ``((operands), results)`` (jax 0.12's GPU form; jax 0.10's prints the
+  results alone, a tuple of them when XLA combined several)."""
   out: dict[str, list[int]] = {}
   for line in hlo_text.splitlines():
     m = _LINE.search(line)
     if not m:
       continue
     kind, shape = m.group("kind"), m.group("out")
-    if (m.group("start") and kind in ("all-gather", "reduce-scatter")
-        and shape.startswith("(")):
+    if m.group("start") and (
+        kind in ("all-gather", "reduce-scatter") and shape.startswith("(")
+        or kind == "all-reduce" and shape.startswith("((")):
       shape = last_tuple_element(shape)
     size = shape_bytes(shape)
     if kind == "reduce-scatter":

@@ -1,0 +1,43 @@
+"""Which devices a program is compiled for: 'gpu', 'tpu' or 'cpu'.
+
+The mesh says it, not ``jax.default_backend()``: a step compiled for GPUs on
+a machine without one (:mod:`zero1_jax.inspect.gpu`) runs jax's CPU backend
+while XLA builds it for H100s, and what suits one (packing small leaves,
+when to gather) does not suit the other.
+
+Example:
+  >>> import jax
+  >>> of(jax.make_mesh((1,), ("data",)))
+  'cpu'
+  >>> of(None) is None
+  True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def of(mesh: Any) -> str | None:
+  """The platform of ``mesh``'s devices (a concrete or an abstract mesh,
+  a compile-only one too); None when it does not say."""
+  try:
+    return mesh.devices.flat[0].platform
+  except (AttributeError, IndexError, ValueError, TypeError):
+    pass
+  device = getattr(mesh, "abstract_device", None)
+  return getattr(device, "platform", None)
+
+
+def resolve(mesh: Any = None) -> str:
+  """:func:`of` ``mesh``, else of the ``jax.set_mesh`` mesh, else jax's
+  default backend."""
+  found = of(mesh)
+  if found is None:
+    try:
+      found = of(jax.sharding.get_abstract_mesh())
+    except (AttributeError, ValueError):   # pragma: no cover - older jax
+      found = None
+  return found or jax.default_backend()
