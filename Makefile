@@ -8,6 +8,14 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[test,cli,experiments]"
+	# jax's CUDA plugin at jax's own version, beside the venv (not in it: a
+	# plugin in site-packages makes every jax start on a machine without a
+	# GPU print its failure to load CUDA). tests/conftest.py and
+	# experiments/gpu_aot.py put it on sys.path to compile steps for GPUs
+	# without one (zero1_jax.inspect.gpu). ~0.5 GB, no CUDA libraries.
+	v="$$($(BIN)/python -c 'import jax; print(jax.__version__)')" && \
+	  $(BIN)/pip install -q --no-deps --target $(VENV)/aot-plugins \
+	    "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v"
 	# Bytecode up front: with PYTHONDONTWRITEBYTECODE set (as on this project's
 	# CI image) nothing caches it, and every Python process (the tests start
 	# dozens of zero1-train runs) recompiled jax & co from source: ~5 s each.

@@ -47,7 +47,7 @@ import zero1_jax as z1  # noqa: E402
 from experiments import baselines as bl  # noqa: E402
 from zero1_jax.deepspeed import engine as ds_engine  # noqa: E402
 from zero1_jax.deepspeed import config as ds_config  # noqa: E402
-from zero1_jax.inspect import gpu  # noqa: E402
+from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
 from zero1_jax.models import bert, gpt  # noqa: E402
 
 FORMS = ("floor", "ddp", "ddp_nomaster", "gspmd", "train_step", "zero2",
@@ -58,10 +58,10 @@ DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 MODELS = {
     "bert-base": (lambda dt: bert.make_config("bert-base-uncased", 30522, 128, dt), 8, 128),
     "gpt2": (lambda dt: gpt.make_config("gpt2", 50257, 1024, dt), 2, 1024),
-    # tiny sizes for tests/test_gpu_aot.py
-    "tiny-bert": (lambda dt: bert.make_config(
-        "bert-tiny", 512, 32, dt, num_layers=2, hidden_size=64, num_heads=2,
-        intermediate_size=256), 4, 32),
+    # small enough for tests/test_gpu_aot.py (3.7M params, ~10 s a compile)
+    "small-bert": (lambda dt: bert.make_config(
+        "bert-tiny", 2048, 128, dt, num_layers=4, hidden_size=256, num_heads=4,
+        intermediate_size=1024), 32, 128),
 }
 
 
@@ -97,18 +97,24 @@ def with_shardings(tree, shardings):
                       tree, shardings)
 
 
-def ds_json(dtype: str, stage: int) -> dict:
-  """A DeepSpeed config as HF's integration writes one: AdamW, clipping 1.0."""
+def ds_json(dtype: str, stage: int, bucket_bytes: int | None = None) -> dict:
+  """A DeepSpeed config as HF's integration writes one: AdamW, clipping 1.0
+  (``bucket_bytes``: reduce and all-gather bucket sizes, as fp32 elements)."""
+  zero = {"stage": stage}
+  if bucket_bytes:
+    zero.update(reduce_bucket_size=bucket_bytes // 4,
+                allgather_bucket_size=bucket_bytes // 4)
   cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
-         "zero_optimization": {"stage": stage},
+         "zero_optimization": zero,
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
   if dtype == "bf16":
     cfg["bf16"] = {"enabled": True}
   return cfg
 
 
-def lower(form: str, name: str, dtype: str, mesh):
-  """The form's step lowered for ``mesh`` on abstract arguments."""
+def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
+  """The form's step lowered for ``mesh`` on abstract arguments
+  (``zero1_kw``: more keywords for z1.zero1 / z1.zero2)."""
   shapes, loss_fn, per_device, seq = model(name, dtype)
   n = mesh.shape["data"]
   key = "input_ids"
@@ -144,11 +150,12 @@ def lower(form: str, name: str, dtype: str, mesh):
     return jax.jit(step, out_shardings=(rep, rep, rep),
                    donate_argnums=(0, 1)).lower(params, state, batch)
   if form == "engine":
-    cfg = ds_config.load_config(ds_json(dtype, 1), world_size=n)
+    cfg = ds_config.load_config(ds_json(dtype, 1, **zero1_kw), world_size=n)
     tx = ds_engine.build_tx(cfg, "data")
     step = ds_engine.make_step(cfg, tx, loss_fn, mesh)
   else:
-    tx = (z1.zero2 if form == "zero2" else z1.zero1)(optimizer(), axis_name="data")
+    tx = (z1.zero2 if form == "zero2" else z1.zero1)(optimizer(), axis_name="data",
+                                                     **zero1_kw)
     step = z1.train_step(loss_fn, tx, mesh) if form in ("train_step", "zero2") else None
   state = with_shardings(jax.eval_shape(lambda p: z1.init(tx, p, mesh)[1], shapes),
                          z1.state_shardings(tx, shapes, mesh))
@@ -170,7 +177,8 @@ def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100") -> 
   hosts = max(1, gpus // 8)
   mesh = gpu.mesh(gpus, ("data",), gpu=kind, hosts=hosts)
   t0 = time.perf_counter()
-  compiled, s = gpu.compile(lower(form, name, dtype, mesh), OPTIONS)
+  compiled, schedule = gpu.compile(lower(form, name, dtype, mesh), OPTIONS)
+  s = sched.summary(schedule)
   colls = z1.inspect.hlo_collectives(compiled.as_text())
   return {
       "form": form, "model": name, "dtype": dtype, "gpus": gpus, "gpu": kind,

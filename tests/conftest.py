@@ -38,6 +38,16 @@ if "ZERO1_VERDICT_CACHE" not in os.environ:
 # reading itself unset it (test_memory_estimate.py).
 os.environ.setdefault("ZERO1_DEVICE_MEMORY_BYTES", str(22 * 1024 ** 3 // 8))
 
+# jax's CUDA plugin, installed beside the venv by the Makefile, for the tests
+# that compile steps for GPUs without one (tests/test_gpu_aot.py): on
+# sys.path before jax looks for plugins; JAX_PLATFORMS=cpu keeps it from
+# trying to open a GPU.
+import sys  # noqa: E402
+
+_PLUGINS = os.path.join(sys.prefix, "aot-plugins")
+if os.path.isdir(_PLUGINS) and _PLUGINS not in sys.path:
+  sys.path.insert(0, _PLUGINS)
+
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, jax.devices()

@@ -154,8 +154,8 @@ def stored_specs(tx: Zero1Transformation, params: Any, n: int) -> Any:
   layout = lay.plan(params, n)
   keep = stored_leaves(layout)
   return layout.treedef.unflatten([
-      zspecs.leaf_spec(s, tx.config.axis_name) if i in keep else P()
-      for i, s in enumerate(layout.leaves)])
+      zspecs.leaf_spec(s, tx.config.axis_name) if i in keep
+      else P(*[None] * len(s.shape)) for i, s in enumerate(layout.leaves)])
 
 
 def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
@@ -435,6 +435,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     return pa
 
   def _stored(params) -> bool:
+    if not shard_params:
+      return False
     where = storage(params, None)
     return where is not None and any(
         s.spec != P() for s in jax.tree.leaves(where)) and all(
@@ -443,10 +445,14 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
 
   def storage(params, pa):
     """Where the step keeps ``params`` (NamedShardings), or None: as given."""
-    if pa is not None or not shard_params or jax.tree.structure(
+    if pa is not None or jax.tree.structure(
         pax.unbox(params)) != jax.tree.structure(params):   # boxed: as given
       return None
-    specs = stored_specs(tx, params, n)
+    # Replicated ones as the step returns them, P(None, ...): the same
+    # program then serves the first step and the next (with P() a second
+    # compile followed on an Explicit mesh).
+    specs = (stored_specs(tx, params, n) if shard_params else jax.tree.map(
+        lambda x: P(*[None] * jnp.ndim(x)), params))
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -514,7 +520,9 @@ class _OnMesh:
     def one(x, s):
       if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-      return x if _placed(x, s) else jax.device_put(x, s)
+      # Equal, spec and all: jit compiles again for P() where it returned
+      # P(None,) (the same placement, another type on an Explicit mesh).
+      return x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
     return jax.tree.map(one, params, where)
 
   def __call__(self, params, opt_state, batch):

@@ -22,6 +22,7 @@ from zero1_jax.inspect.hlo_graph import (COLLECTIVES, group_size,
                                          last_tuple_element, shape_bytes)
 from zero1_jax.inspect.overlap_report import (Overlap, hlo_overlap, overlap,
                                              overlap_summary)
+from zero1_jax.inspect import gpu, schedule  # noqa: F401  (z1.inspect.gpu.mesh, ...)
 
 _LINE = re.compile(r"=\s*(?P<out>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
                    r"(?P<kind>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")

@@ -20,8 +20,9 @@ Example (not run by the doctests: it needs the plugin)::
     import zero1_jax as z1
     mesh = z1.inspect.gpu.mesh(8)                    # 8 x H100 SXM, one host
     lowered = step.lower(*abstract_args_on(mesh))    # ShapeDtypeStructs with shardings
-    compiled, timeline = z1.inspect.gpu.compile(lowered)
-    print(timeline.step_us, timeline.exposed_by_kind)
+    compiled, schedule = z1.inspect.gpu.compile(lowered)
+    est = z1.inspect.schedule.summary(schedule)
+    print(est.step_us, est.exposed_by_kind)
 """
 
 from __future__ import annotations
@@ -113,18 +114,18 @@ def mesh(axis_shapes: int | Sequence[int] = 8,
 
 
 def compile(lowered: Any, compiler_options: dict | None = None
-            ) -> tuple[Any, sched.Summary]:
+            ) -> tuple[Any, sched.Schedule]:
   """``lowered.compile()`` with XLA's latency-hiding schedule dumped and read.
 
-  Returns the compiled step (``.as_text()``, ``.memory_analysis()``) and the
-  :func:`zero1_jax.inspect.schedule.summary` of its schedule: XLA's cost
-  model of one step on the GPUs of the mesh it was lowered for, not a
-  measurement."""
+  Returns the compiled step (``.as_text()``, ``.memory_analysis()``) and its
+  :class:`zero1_jax.inspect.schedule.Schedule` (:func:`~zero1_jax.inspect.
+  schedule.summary` gives the step's estimate): XLA's cost model of one step
+  on the GPUs of the mesh it was lowered for, not a measurement."""
   where = tempfile.mkdtemp(prefix="zero1_schedule_")
   try:
     options = {**(compiler_options or {}), "xla_dump_to": where,
                "xla_dump_latency_hiding_schedule": True}
     compiled = lowered.compile(compiler_options=options)
-    return compiled, sched.summary(sched.read(where))
+    return compiled, sched.read(where)
   finally:
     shutil.rmtree(where, ignore_errors=True)

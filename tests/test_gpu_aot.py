@@ -1,0 +1,159 @@
+"""The step compiled for 8 H100s, without a GPU: its plan read from XLA's GPU
+program and its latency-hiding schedule (zero1_jax.inspect.gpu).
+
+Structure, never time: every collective async; the reduce-scatters move the
+padded Psi once in the gradient dtype and start under the backward (the
+first before the backward's last compute); the gathers of the shards
+train_step keeps between steps run under the next forward; between steps a
+device holds 1/N of the params and of the state; "auto" in-place collectives
+decided by the devices the program is compiled for. XLA's estimates of the
+step are experiments/gpu_aot.py's (docs/results.md).
+
+The model: a 4-layer BERT of 3.7M params at 32 x 128 tokens a device, with
+1 MiB buckets so that its 15 MB of gradients make 17 groups (BERT-base's
+437 MB make about as many with the default 64 MiB).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import zero1_jax as z1
+from experiments import gpu_aot
+from zero1_jax.core import layout as lay
+from zero1_jax.inspect import gpu, schedule as sc
+
+MODEL, BUCKET = "small-bert", 1 << 20
+FORMS = ("train_step", "zero2", "engine", "jit_vg")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return gpu.mesh(8)
+
+
+@pytest.fixture(scope="module")
+def compiled(mesh):
+  """form -> (compiled, Schedule) for fp32 params, and train_step in bf16."""
+  out = {}
+  for form, dtype in [(f, "fp32") for f in FORMS] + [("train_step", "bf16"),
+                                                      ("ddp", "fp32")]:
+    kw = {} if form == "ddp" else {"bucket_bytes": BUCKET}
+    low = gpu_aot.lower(form, MODEL, dtype, mesh, **kw)
+    c, schedule = gpu.compile(low)
+    out[form, dtype] = (c, schedule)
+  return out
+
+
+def psi_padded(dtype: str) -> int:
+  shapes = gpu_aot.model(MODEL, dtype)[0]
+  return sum(s.shard_size * 8 for s in lay.plan(shapes, 8).leaves
+             if s.kind == lay.SHARD)
+
+
+def backward_end(schedule) -> float:
+  return max(o.end for o in schedule.ops
+             if sc.is_compute(o) and "transpose(" in o.op_name)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_collective_is_async_and_reduce_scatters_start_under_the_backward(
+    compiled, form):
+  c, schedule = compiled[form, "fp32"]
+  text = c.as_text()
+  for kind in ("reduce-scatter", "all-gather", "all-reduce"):
+    sync = [l for l in text.splitlines() if f" {kind}(" in l and "=" in l]
+    assert not sync, (form, kind, sync[:1])
+  windows = sc.summary(schedule).collectives
+  rs = [w for w in windows if w.kind == "reduce-scatter"]
+  assert len(rs) > 4, form   # grouped, not one reduce-scatter after the backward
+  assert min(w.start for w in rs) < backward_end(schedule), form
+
+
+@pytest.mark.parametrize("dtype,itemsize", [("fp32", 4), ("bf16", 2)])
+def test_reduce_scatter_moves_psi_once_in_the_gradient_dtype(compiled, dtype, itemsize):
+  c, _ = compiled["train_step", dtype]
+  coll = z1.inspect.hlo_collectives(c.as_text())
+  assert coll["reduce-scatter"].bytes == psi_padded(dtype) * itemsize
+  assert coll["all-gather"].bytes == psi_padded(dtype) * itemsize
+  assert coll["all-reduce"].bytes <= 16   # the loss and the norm's scalars
+
+
+@pytest.mark.parametrize("form", ["train_step", "zero2", "engine"])
+def test_kept_shards_are_gathered_under_the_forward(compiled, form):
+  """The forms that own the step keep each device's updated shards and
+  gather them at the start of the next step: every gather but the first
+  few (what the first layer reads: nothing runs before it) overlaps
+  forward compute; none waits for the backward."""
+  _, schedule = compiled[form, "fp32"]
+  ag = [w for w in sc.summary(schedule).collectives if w.kind == "all-gather"]
+  first_backward = min(o.start for o in schedule.ops
+                       if sc.is_compute(o) and "transpose(" in o.op_name)
+  assert all(w.end < first_backward for w in ag), form
+  assert sum(w.overlapped > 0 for w in ag) >= len(ag) // 2, [
+      (round(w.start), round(w.overlapped)) for w in ag]
+
+
+def test_plain_jit_holds_the_loss_all_reduce_until_the_last_gradient(compiled):
+  """XLA runs one collective at a time: z1.value_and_grad's loss all-reduce
+  started as soon as the forward ended held the slot through the backward
+  (971 µs on BERT-base). It starts after the reduce-scatters have begun."""
+  _, schedule = compiled["jit_vg", "fp32"]
+  windows = sc.summary(schedule).collectives
+  ar = [w for w in windows if w.kind == "all-reduce"]
+  rs = [w for w in windows if w.kind == "reduce-scatter"]
+  assert len(ar) == 1 and ar[0].start > min(w.start for w in rs)
+
+
+def test_between_steps_a_device_holds_a_1_over_n_share(compiled):
+  """train_step's arguments (donated, so also its outputs): the stored
+  param shards and the state, 1/N each, against DDP's whole params and
+  state; memory_analysis of the GPU program."""
+  shapes = gpu_aot.model(MODEL, "fp32")[0]
+  layout = lay.plan(shapes, 8)
+  whole = sum(int(np.prod(s.shape)) * 4 for s in layout.leaves)
+  stored = sum(s.shard_size * 4 if s.padded_shape == s.shape and s.kind == lay.SHARD
+               else int(np.prod(s.shape)) * 4 for s in layout.leaves)
+  batch = 2 * 32 * 128 * 4   # input ids and labels, int32, this device's rows
+  ddp = z1.inspect.memory(compiled["ddp", "fp32"][0])
+  z = z1.inspect.memory(compiled["train_step", "fp32"][0])
+  assert ddp["argument"] == whole * 3 + batch + 4   # params, mu, nu; adam's count
+  assert z["argument"] - batch == stored + layout.state_bytes_per_device() + 4 + 16
+  assert z["alias"] >= stored + layout.state_bytes_per_device()
+
+
+def test_auto_collectives_follow_the_devices_compiled_for(mesh):
+  """inplace_bytes="auto": in place (one collective per large leaf, XLA
+  combining them) for a program compiled for GPUs, packed (one bucket) on
+  CPU, whatever backend jax runs on (here: CPU)."""
+  assert jax.default_backend() == "cpu"
+  params = {f"w{i}": jax.ShapeDtypeStruct((256, 256), np.float32) for i in range(3)}
+  loss = lambda p, b: sum((b["x"] @ w).sum() for w in p.values())
+  batch = {"x": jax.ShapeDtypeStruct((8, 256), np.float32)}
+
+  def reduce_scatters(m):
+    tx = z1.zero1(gpu_aot.optimizer(), axis_name="data")
+    state = jax.eval_shape(lambda p: z1.init(tx, p, m)[1], params)
+    state = gpu_aot.with_shardings(state, z1.state_shardings(tx, params, m))
+    sds = lambda t, spec: gpu_aot.placed(t, m, lambda _: spec)
+    low = z1.train_step(loss, tx, m, shard_params=False).lower(
+        sds(params, jax.sharding.PartitionSpec()), state,
+        sds(batch, jax.sharding.PartitionSpec("data")))
+    return low.as_text().count("reduce_scatter")
+  assert reduce_scatters(mesh) == 3
+  assert reduce_scatters(jax.make_mesh((8,), ("data",))) == 1
+
+
+@pytest.mark.parametrize("version", ["0.10.2", "0.12.0.1"])
+def test_hlo_collectives_read_each_jax_versions_gpu_hlo(version):
+  """tests/fixtures/make_gpu_hlo.py's program (an all-reduce of 16 MiB, a
+  reduce-scatter and an all-gather of 2 MiB each) as each jax's XLA prints
+  it for 8 H100s: jax 0.12 prints the async all-reduce as
+  ((operands), results), which was counted twice (32 MiB)."""
+  import pathlib
+  text = (pathlib.Path(__file__).parent / "fixtures"
+          / f"gpu_hlo_jax-{version}.txt").read_text()
+  coll = z1.inspect.hlo_collectives(text)
+  assert {k: (c.count, c.bytes) for k, c in coll.items()} == {
+      "all-reduce": (1, 16 << 20), "reduce-scatter": (1, 2 << 20),
+      "all-gather": (1, 2 << 20)}
