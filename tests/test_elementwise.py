@@ -452,19 +452,26 @@ def test_probe_alone_catches_whole_tree_scalar_state():
   assert ew.probe_reason(optax.add_noise(0.01, 0.55, key=0), layout)
 
 
-def test_size_dependent_scale_is_caught_by_the_probe():
-  """Elementwise in its jaxpr, yet scaled by the leaf size: only the probe,
-  which runs on real shard dims, can see it."""
+def test_size_dependent_scale_is_caught_by_the_trace_and_the_probe():
+  """Elementwise in its jaxpr, yet scaled by the leaf size: the trace on the
+  real shapes (size_check: the constant 1/sqrt(7) whole, 1/sqrt(2) on the
+  shard) refuses it first; the probe, which runs on real shard dims, sees it
+  on its own too."""
   by_size = optax.stateless(
       lambda g, p: jax.tree.map(lambda x: x / np.sqrt(x.size), g))
   layout = z1.plan(float_part(odd_params()), N)
   assert ew.jaxpr_reason(by_size, layout) is None
+  why = ew.probe_reason(by_size, layout)
+  assert "its update on N=4 shards differs" in why, why
+  # Named by its path in the parameter tree (was "(leaf 0)").
+  assert "whole parameters at ['dense']['bias'] (step 1, by " in why, why
   with pytest.raises(ValueError) as e:
     z1.init(z1.zero1(by_size, axis_name="data"), odd_params(), mesh(N))
   msg = str(e.value)
-  assert "its update on N=4 shards differs" in msg, msg
-  # Named by its path in the parameter tree (was "(leaf 0)").
-  assert "whole parameters at ['dense']['bias'] (step 1, by " in msg, msg
+  assert ("its update runs other operations on the whole parameters than on "
+          "a shard (`div(grads['dense']['bias'], 2.64575) -> float32[7]` "
+          "against `div(grads['dense']['bias'], 1.41421) -> float32[2]`)"
+          in msg), msg
   assert "check_elementwise=False" in msg, msg
 
 
