@@ -36,9 +36,11 @@ import optax
 from zero1_jax.core import boxes
 from zero1_jax.core import checks as chk
 from zero1_jax.core import collectives as col
+from zero1_jax.core import explicit_consts
 from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
 from zero1_jax.core import offload as ofl
+from zero1_jax.core import optax_protocol as proto
 from zero1_jax.core import precision
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import updates as upd
@@ -206,6 +208,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                     offload=ofl.resolve(offload))
   if max_grad_norm is not None and isinstance(inner, optax.MultiSteps):
     warnings.warn(MULTISTEPS_CLIP, UserWarning, stacklevel=2)
+  # Arrays on an Explicit mesh, which shard_map cannot close over.
+  inner = explicit_consts.movable(inner)
   axis = axis_name
 
   def axes_of(params, param_axes):
@@ -240,6 +244,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                       inner_state, _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
+    if proto.is_placeholder(params):   # optax.tree_utils.tree_map_params
+      return proto.placeholder_state(
+          inner, (cfg.loss_scale or precision.NoLossScale()).init())
     like = params
     # The state holds bare arrays; Python scalars become arrays, as optax's
     # init makes them (jnp.zeros_like(1.0) is a float32 scalar).
@@ -403,9 +410,14 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     return (layout.treedef.unflatten(out), new_state,
             StepInfo(g_norm, skipped, scale))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates=None, state=None, params=None, **extra_args):
+    grads, extra_args = proto.updates_arg(updates, extra_args)
     if params is None:
       raise ValueError(NEEDS_PARAMS)
+    if state is None:   # a stateless inner, as optax's tests update it
+      proto.check_none_state(inner, pax.strip_variables(params),
+                             cfg.loss_scale)
+      state = init_fn(params)
     like = params
     grads = _arrays(pax.strip_variables(grads))
     params = _arrays(pax.strip_variables(params))
