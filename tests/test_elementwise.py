@@ -415,9 +415,9 @@ def test_refusals_for_the_api_say_what_zero1_calls(outcomes):
     assert kind == "refused" and "'value'" in detail, detail
     assert "needs more (a loss value=" in detail, detail
   kind, detail = outcomes["optax.monitor"]
-  assert "(its updates or new state have another structure than its " \
-         "inputs). zero1 calls init(params) and update(grads, state, " \
-         "params)" in detail, detail
+  assert "(optax.monitor (element 0 of optax.chain): its updates or new " \
+         "state have another structure than its inputs). zero1 calls " \
+         "init(params) and update(grads, state, params)" in detail, detail
 
 
 def test_readme_lists_exactly_the_enumerated_optimizers():

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zero1_jax.core import blame
 from zero1_jax.core import jaxpr_check as jc
 from zero1_jax.core import layout as lay
 from zero1_jax.core import verdicts
@@ -82,24 +83,28 @@ _API_REASONS = ("its init fails on", "its state structure depends",
                 "its update fails on the probe")
 
 
-def refusal(why: str) -> str:
+def refusal(why: str, where: str = "") -> str:
   """The refusal message for ``why``: :data:`CANNOT_RUN` when the optimizer's
-  API does not fit zero1's call, else :data:`REFUSAL` (not elementwise)."""
+  API does not fit zero1's call, else :data:`REFUSAL` (not elementwise);
+  ``where`` (:func:`.blame.locate`: the refused transformation and its
+  place) leads the parenthesis."""
+  shown = f"{where}: {why}" if where else why
   if not why.startswith(_API_REASONS):
-    return REFUSAL.format(why=why)
+    return REFUSAL.format(why=shown)
   extra = ""
   if "required keyword-only argument" in why or "required positional" in why:
     extra = (" This one needs more (a loss value=, a per-example gradient "
              "or a function to evaluate), which z1.train_step does not pass.")
-  return CANNOT_RUN.format(why=why, extra=extra)
+  return CANNOT_RUN.format(why=shown, extra=extra)
 
 
 class Refused(ValueError):
-  """The refusal ValueError (:func:`refusal`); ``why`` names the reason."""
+  """The refusal ValueError (:func:`refusal`); ``why`` names the reason,
+  ``where`` the refused transformation (may be empty)."""
 
-  def __init__(self, why: str):
-    super().__init__(refusal(why))
-    self.why = why
+  def __init__(self, why: str, where: str = ""):
+    super().__init__(refusal(why, where))
+    self.why, self.where = why, where
 
 
 def _brief(e: Exception) -> str:
@@ -398,13 +403,37 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
   inner = getattr(inner, "inner", inner)   # a Zero1Transformation: its inner
   layout = lay.plan(params, max(int(num_shards), 2))
   key = verdicts.key(inner, layout, dtype)   # an equal check before: its verdict
-  found, why = verdicts.remembered(key)
+  found, verdict = verdicts.remembered(key)
   if not found:
-    why = jaxpr_reason(inner, layout, dtype)
-    if not why:
+    verdict = None
+    for check in _stages(layout, dtype):
+      why = check(inner)
+      if why:   # name the part refused, in the stage that refused the whole
+        verdict = f"{blame.locate(inner, why, check)}\n{why}"
+        break
+    verdicts.remember(key, verdict)
+  if verdict:
+    where, _, why = verdict.rpartition("\n")
+    raise Refused(why, where)
+
+
+def located(e: Refused, inner: optax.GradientTransformation,
+            layout: lay.Layout, dtype: Any = jnp.float32) -> Refused:
+  """``e`` (a refusal by :func:`state_shard_dims`) naming the refused part
+  of ``inner`` (:func:`.blame.locate`)."""
+  if e.where:
+    return e
+  return Refused(e.why, blame.locate(inner, e.why, _stages(layout, dtype)[0]))
+
+
+def _stages(layout: lay.Layout, dtype: Any) -> list:
+  """The checks in order, each ``inner -> why or None``: the jaxpr, the
+  same program on whole leaves and shards, the numeric probe."""
+  def size(inner):
+    try:
       owners = state_shard_dims(inner, layout, dtype)[3]
-      why = (size_reason(inner, layout, dtype, owners)
-             or probe_reason(inner, layout, dtype))
-    verdicts.remember(key, why)
-  if why:
-    raise Refused(why)
+    except Refused as e:
+      return e.why
+    return size_reason(inner, layout, dtype, owners)
+  return [lambda inner: jaxpr_reason(inner, layout, dtype), size,
+          lambda inner: probe_reason(inner, layout, dtype)]

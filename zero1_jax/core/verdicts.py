@@ -184,7 +184,8 @@ def _salt() -> str:
   h = hashlib.sha256(repr((sys.version, jax.__version__,
                            optax.__version__)).encode())
   here = pathlib.Path(__file__).parent   # read, not imported (no cycle)
-  for name in ("verdicts", "elementwise", "jaxpr_check", "size_check", "layout"):
+  for name in ("verdicts", "elementwise", "jaxpr_check", "size_check", "blame",
+               "layout"):
     h.update((here / f"{name}.py").read_bytes())
   return h.hexdigest()
 
