@@ -47,6 +47,7 @@ import numpy as np
 import optax
 
 from zero1_jax.core import blame
+from zero1_jax.core import extra_args as xa
 from zero1_jax.core import jaxpr_check as jc
 from zero1_jax.core import layout as lay
 from zero1_jax.core import verdicts
@@ -72,8 +73,9 @@ REFUSAL = (
 CANNOT_RUN = (
     "zero1: the inner optimizer cannot run under zero1 ({why}). zero1 calls "
     "init(params) and update(grads, state, params) on each device's 1/N "
-    "shards of the parameters, with no other arguments, and keeps the "
-    "state's structure as init made it.{extra} Use it unsharded (plain data "
+    "shards of the parameters (with the extra keyword arguments tx.update "
+    "is given), and keeps the state's structure as init made it.{extra} Use "
+    "it unsharded (plain data "
     "parallel), or an optimizer that fits that call; zero1(..., "
     "check_elementwise=False) skips this check if the check itself is what "
     "fails.")
@@ -92,9 +94,12 @@ def refusal(why: str, where: str = "") -> str:
   if not why.startswith(_API_REASONS):
     return REFUSAL.format(why=shown)
   extra = ""
-  if "required keyword-only argument" in why or "required positional" in why:
-    extra = (" This one needs more (a loss value=, a per-example gradient "
-             "or a function to evaluate), which z1.train_step does not pass.")
+  if ("required keyword-only argument" in why or "required positional" in why
+      or "KeyError" in why):
+    extra = (" This one needs more (a loss value=, a schedule's argument, a "
+             "per-example gradient or a function to evaluate): pass what it "
+             "reads to tx.update(..., value=loss) as to optax's update; "
+             "z1.train_step passes none.")
   return CANNOT_RUN.format(why=shown, extra=extra)
 
 
@@ -189,25 +194,28 @@ def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
 
 
 def jaxpr_reason(inner: optax.GradientTransformation, layout: lay.Layout,
-                 dtype: Any = jnp.float32) -> str | None:
+                 dtype: Any = jnp.float32, extra: dict | None = None
+                 ) -> str | None:
   """Why ``inner.update`` on ``layout``'s shards is not elementwise, read
-  from its jaxpr; None if every step is."""
+  from its jaxpr; None if every step is. ``extra``: the update's extra
+  keyword arguments (:mod:`.extra_args`)."""
   try:
     _, dims, _, _ = state_shard_dims(inner, layout, dtype)
   except Refused as e:
     return e.why
   p = shard_inputs(layout, dtype)
   state = jax.eval_shape(inner.init, p)
+  arrays, rebuild = xa.split(extra)
   try:
     closed, out_shape = jax.make_jaxpr(
-        lambda g, s, q: inner.update(g, s, q), return_shape=True)(p, state, p)
+        xa.updater(inner, rebuild), return_shape=True)(p, state, p, arrays)
   except Exception as e:  # noqa: BLE001 - any failure to trace is a refusal
     return (f"its update(grads, state, params) cannot be traced on the "
             f"shards: {_brief(e)}")
   sharded = [s.kind == lay.SHARD for s in layout.leaves
              if s.kind != lay.STATIC]
   ins = ([jc.Taint(t) for t in sharded] + [jc.Taint(d is not None) for d in dims]
-         + [jc.Taint(t) for t in sharded])
+         + [jc.Taint(t) for t in sharded] + xa.taints(arrays))
   u_def = jax.tree.structure(out_shape[0])
   if (u_def != jax.tree.structure(p)
       or jax.tree.structure(out_shape[1]) != jax.tree.structure(state)):
@@ -280,9 +288,11 @@ def _key_data(x):
 
 
 def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
-                 dtype: Any = jnp.float32, seed: int = 0) -> str | None:
+                 dtype: Any = jnp.float32, seed: int = 0,
+                 extra: dict | None = None) -> str | None:
   """Two updates on ``probe_layout`` leaves, whole vs. as N shards (zero
-  padded, like zero1's master shards): why they differ, or None."""
+  padded, like zero1's master shards): why they differ, or None. ``extra``:
+  the update's extra keyword arguments, passed as ones of their shapes."""
   n = layout.num_shards
   small = probe_layout(layout, n)
   try:
@@ -315,10 +325,14 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
       out.append(np.stack(np.split(x, n, axis=s.dim)))
     return out
 
+  arrays, rebuild = xa.split(extra)
+  update = xa.updater(inner, rebuild)
+  values = xa.stand_ins(arrays)
+
   def run(p, g):
     state = inner.init(p)
-    u, state = inner.update(g, state, p)
-    u2, state = inner.update(g, state, optax.apply_updates(p, u))
+    u, state = update(g, state, p, values)
+    u2, state = update(g, state, optax.apply_updates(p, u), values)
     return [_key_data(x) for x in jax.tree.leaves((u, u2, state))]
 
   axes = small.inner_tree([0 if s.kind == lay.SHARD else None
@@ -331,8 +345,12 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
     # Only then: evaluating at compile time compiles each of the optimizer's
     # own jitted helpers on its own (19 programs for adam, 2.98 s against
     # 1.31 s for the first z1.init of a process).
+    # Inside a shard_map (an update's extra arguments are checked there) the
+    # probe's own arrays must not see its manual mesh: no mesh for them.
     traced = isinstance(jnp.zeros(()), jax.core.Tracer)
-    with jax.ensure_compile_time_eval() if traced else contextlib.nullcontext():
+    with (jax.ensure_compile_time_eval() if traced else contextlib.nullcontext(),
+          jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+          if traced else contextlib.nullcontext()):
       whole, parts = both(tree(full_p), tree(full_g), tree(split(full_p)),
                           tree(split(full_g)))
   except Exception as e:  # noqa: BLE001 - an update that fails is refused
@@ -386,10 +404,16 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
 
 
 def check_elementwise(inner: optax.GradientTransformation, params: Any,
-                      num_shards: int = 2, dtype: Any = jnp.float32) -> None:
+                      num_shards: int = 2, dtype: Any = jnp.float32,
+                      extra_args: dict | None = None) -> None:
   """Raises ValueError (REFUSAL, naming why) unless ``inner`` is elementwise
   on ``params`` split over ``num_shards`` (at least 2: the decision does not
   hang on the mesh size) in ``dtype``.
+
+  ``extra_args``: None at ``tx.init``, where an update that cannot be
+  traced without extra keyword arguments it takes is not refused but left
+  to its first update (:func:`.extra_args.deferrable`); at an update, the
+  arguments it is given (:func:`check_update_args`).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -403,10 +427,13 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
   inner = getattr(inner, "inner", inner)   # a Zero1Transformation: its inner
   layout = lay.plan(params, max(int(num_shards), 2))
   key = verdicts.key(inner, layout, dtype)   # an equal check before: its verdict
+  if extra_args:
+    sig = xa.key(extra_args)
+    key = None if key is None or sig is None else (key, sig)
   found, verdict = verdicts.remembered(key)
   if not found:
     verdict = None
-    for check in _stages(layout, dtype):
+    for check in _stages(layout, dtype, extra_args):
       why = check(inner)
       if why:   # name the part refused, in the stage that refused the whole
         verdict = f"{blame.locate(inner, why, check)}\n{why}"
@@ -414,7 +441,29 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
     verdicts.remember(key, verdict)
   if verdict:
     where, _, why = verdict.rpartition("\n")
+    if extra_args is None and xa.deferrable(inner, why):
+      return   # checked at the first update, with its arguments
     raise Refused(why, where)
+
+
+def check_update_args(inner: optax.GradientTransformation, params: Any,
+                      num_shards: int, dtype: Any, extra_args: dict) -> None:
+  """At an update: with extra arguments, :func:`check_elementwise` with
+  them (once per their names, shapes and dtypes); without, the refusal
+  ``tx.init`` left to this update, if it left one."""
+  if extra_args:
+    check_elementwise(inner, params, num_shards, dtype, extra_args)
+    return
+  layout = lay.plan(params, max(int(num_shards), 2))
+  key = verdicts.key(inner, layout, dtype)
+  found, verdict = verdicts.remembered(key)
+  if key is None and xa.takes_extra(inner):   # nothing remembered: retrace
+    why = jaxpr_reason(inner, layout, dtype)
+    found, verdict = True, (f"\n{why}" if xa.deferrable(inner, why) else None)
+  if found and verdict:
+    where, _, why = verdict.rpartition("\n")
+    raise Refused(why, where or blame.locate(inner, why,
+                                             _stages(layout, dtype)[0]))
 
 
 def located(e: Refused, inner: optax.GradientTransformation,
@@ -426,7 +475,7 @@ def located(e: Refused, inner: optax.GradientTransformation,
   return Refused(e.why, blame.locate(inner, e.why, _stages(layout, dtype)[0]))
 
 
-def _stages(layout: lay.Layout, dtype: Any) -> list:
+def _stages(layout: lay.Layout, dtype: Any, extra: dict | None = None) -> list:
   """The checks in order, each ``inner -> why or None``: the jaxpr, the
   same program on whole leaves and shards, the numeric probe."""
   def size(inner):
@@ -434,6 +483,6 @@ def _stages(layout: lay.Layout, dtype: Any) -> list:
       owners = state_shard_dims(inner, layout, dtype)[3]
     except Refused as e:
       return e.why
-    return size_reason(inner, layout, dtype, owners)
-  return [lambda inner: jaxpr_reason(inner, layout, dtype), size,
-          lambda inner: probe_reason(inner, layout, dtype)]
+    return size_reason(inner, layout, dtype, owners, extra)
+  return [lambda inner: jaxpr_reason(inner, layout, dtype, extra), size,
+          lambda inner: probe_reason(inner, layout, dtype, extra=extra)]

@@ -46,6 +46,7 @@ import jax
 import numpy as np
 import optax
 
+from zero1_jax.core import extra_args as xa
 from zero1_jax.core import layout as lay
 
 FIX = ("decide by ndim or by path instead of by size or shape (under zero1 "
@@ -208,11 +209,13 @@ def _program(fn, *args):
 
 
 def size_reason(inner: optax.GradientTransformation, layout: lay.Layout,
-                dtype: Any, owners: Sequence[int | None]) -> str | None:
+                dtype: Any, owners: Sequence[int | None],
+                extra: dict | None = None) -> str | None:
   """Why ``inner`` computes something else on ``layout``'s shards than on
   the whole parameters, or None. ``owners``: per state leaf on the shards,
   the parameter leaf it is shaped like, or None
-  (:func:`.elementwise.state_shard_dims`)."""
+  (:func:`.elementwise.state_shard_dims`); ``extra``: the update's extra
+  keyword arguments (:mod:`.extra_args`)."""
   whole, shards = _inputs(layout, dtype, True), _inputs(layout, dtype, False)
   try:
     s_whole = jax.eval_shape(inner.init, whole)
@@ -243,9 +246,11 @@ def size_reason(inner: optax.GradientTransformation, layout: lay.Layout,
               f"size); {FIX}")
   pairs = {(s.shape, s.shard_shape) for s in layout.leaves
            if s.kind != lay.STATIC}
-  update = lambda g, s, q: inner.update(g, s, q)
+  arrays, rebuild = xa.split(extra)
+  update = xa.updater(inner, rebuild)
   return (_differs("init", _program(inner.init, whole),
                    _program(inner.init, shards), pairs, _names(params=whole))
-          or _differs("update", _program(update, whole, s_whole, whole),
-                      _program(update, shards, s_shard, shards), pairs,
-                      _names(grads=whole, state=s_whole, params=whole)))
+          or _differs("update", _program(update, whole, s_whole, whole, arrays),
+                      _program(update, shards, s_shard, shards, arrays), pairs,
+                      _names(grads=whole, state=s_whole, params=whole,
+                             extra=arrays)))

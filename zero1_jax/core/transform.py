@@ -36,6 +36,7 @@ import optax
 from zero1_jax.core import boxes
 from zero1_jax.core import checks as chk
 from zero1_jax.core import collectives as col
+from zero1_jax.core import elementwise as ew
 from zero1_jax.core import explicit_consts
 from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
@@ -267,6 +268,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     layout = layout_of(params, pa)
     n = layout.num_shards
     p_leaves = jax.tree.leaves(params)
+    if cfg.check_elementwise:   # with the extra arguments init could not know
+      ew.check_update_args(inner, params, n, cfg.master_dtype,
+                           extra_args or {})
     g_leaves = (chk.check_shards(grads, layout) if pre_reduced
                 else chk.check_tree("grads", grads, layout))
     if grads_are == jm.LOCAL and not pre_reduced:
