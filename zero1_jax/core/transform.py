@@ -38,6 +38,7 @@ from zero1_jax.core import checks as chk
 from zero1_jax.core import collectives as col
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import explicit_consts
+from zero1_jax.core import fresh_state
 from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
 from zero1_jax.core import offload as ofl
@@ -422,6 +423,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       proto.check_none_state(inner, pax.strip_variables(params),
                              cfg.loss_scale)
       state = init_fn(params)
+    step = fresh_state.owner_step(tx)   # a TrainState's, an nnx.Optimizer's
+    if step is not None:
+      fresh_state.warn_if_new(boxes.strip(state), step)
     like = params
     grads = _arrays(pax.strip_variables(grads))
     params = _arrays(pax.strip_variables(params))
