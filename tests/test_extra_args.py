@@ -121,7 +121,7 @@ def test_an_update_without_the_arguments_is_refused_naming_them():
       "zero1: the inner optimizer cannot run under zero1 (optax.contrib."
       "reduce_on_plateau (element 1 of optax.chain): its update(grads, "
       "state, params) cannot be traced"), msg
-  assert "pass what it reads to tx.update(..., value=loss)" in msg, msg
+  assert "zero1 forwards tx.update's extra keyword arguments, tx.update(..., value=loss)" in msg, msg
   # z1.train_step passes none: refused at its first step, saying so.
   loss = lambda p, b: sum(jnp.sum(x) * jnp.mean(b) for x in jax.tree.leaves(p))
   p, s = z1.init(tx, PARAMS, mesh(N))
@@ -129,14 +129,31 @@ def test_an_update_without_the_arguments_is_refused_naming_them():
     z1.train_step(loss, tx, mesh(N))(p, s, jnp.ones(N))
 
 
-def test_not_elementwise_with_the_arguments_is_refused():
-  """What the arguments make of the update is checked: a condition on the
-  loss in front of lamb is still lamb (a whole-leaf norm)."""
+def test_checked_with_scalars_at_init_then_with_the_real_arguments():
+  """At tx.init the missing arguments are tried as float32 scalars: a
+  condition on the loss in front of lamb is still lamb (a whole-leaf norm),
+  refused there. An update scaled by an array argument is elementwise with
+  a scalar, but with one value per row of w it is not (w's rows are split
+  over the devices): refused at that update."""
   make = lambda: optax.conditionally_mask(
       optax.lamb(1e-2), lambda step, loss: loss > 0.1, forward_extra_args=True)
-  tx = z1.zero1(make(), axis_name="data")
+  with jax.set_mesh(mesh(N)), pytest.raises(
+      ValueError, match=r"is not elementwise \(optax.scale_by_trust_ratio .*"
+      r"reduce"):
+    z1.zero1(make(), axis_name="data").init(PARAMS)
+
+  def update(g, state, params=None, *, scale):
+    return jax.tree.map(lambda x: x * scale, g), state
+  scaled = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
+                                                 update)
+  tx = z1.zero1(scaled, axis_name="data")
+  grads = {"w": GRADS["w"]}
   with jax.set_mesh(mesh(N)):
-    s = tx.init(PARAMS)
-    with pytest.raises(ValueError, match=r"is not elementwise \(optax.scale_by"
-                       r"_trust_ratio .*reduce"):
-      jax.jit(tx.update)(GRADS, s, PARAMS, loss=jnp.float32(1.0))
+    s = tx.init({"w": PARAMS["w"]})
+    u, _ = jax.jit(tx.update)(grads, s, {"w": PARAMS["w"]},
+                              scale=jnp.float32(3))
+    _close(u, {"w": 3 * GRADS["w"]}, "")
+    with pytest.raises(ValueError, match=r"is not elementwise \(.*: mul "
+                       r"broadcasts parameter-shaped data\)"):
+      jax.jit(tx.update)(grads, s, {"w": PARAMS["w"]},
+                         scale=jnp.arange(5.0).reshape(5, 1))

@@ -124,3 +124,18 @@ def test_tree_map_params_as_optax_docstring_shows():
   np.testing.assert_array_equal(np.asarray(doubled.inner[0].count),
                                 np.asarray(state.inner[0].count))
   assert doubled.master == state.master
+
+
+def test_typed_prng_keys_closed_over_are_moved_too():
+  """A typed key made under the mesh (differentially_private_aggregate's
+  key=jax.random.key(0) in optax's tests): moved with its bits, not turned
+  into numpy (which a typed key refuses)."""
+  from zero1_jax.core import explicit_consts
+  with jax.set_mesh(mesh(N)):
+    key = jax.random.key(3)
+  tx = optax.stateless(lambda g, p, k=key: g)
+  moved = explicit_consts.movable(tx)
+  k2 = moved.update.__closure__[0].cell_contents.__defaults__[0]
+  assert jax.dtypes.issubdtype(k2.dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(k2), jax.random.key_data(key))
+  assert not isinstance(k2.sharding, jax.sharding.NamedSharding)

@@ -97,9 +97,10 @@ def refusal(why: str, where: str = "") -> str:
   if ("required keyword-only argument" in why or "required positional" in why
       or "KeyError" in why):
     extra = (" This one needs more (a loss value=, a schedule's argument, a "
-             "per-example gradient or a function to evaluate): pass what it "
-             "reads to tx.update(..., value=loss) as to optax's update; "
-             "z1.train_step passes none.")
+             "per-example gradient or a function to evaluate): zero1 forwards "
+             "tx.update's extra keyword arguments, tx.update(..., "
+             "value=loss), and checks the optimizer with scalars for them at "
+             "init; z1.train_step passes none.")
   return CANNOT_RUN.format(why=shown, extra=extra)
 
 
@@ -411,9 +412,10 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
   hang on the mesh size) in ``dtype``.
 
   ``extra_args``: None at ``tx.init``, where an update that cannot be
-  traced without extra keyword arguments it takes is not refused but left
-  to its first update (:func:`.extra_args.deferrable`); at an update, the
-  arguments it is given (:func:`check_update_args`).
+  traced without extra keyword arguments it takes (:func:`.extra_args.
+  deferrable`) is checked with float32 scalars for the ones it misses, and
+  if accepted so, checked again at its first update with the real ones
+  (:func:`check_update_args`); at an update, the arguments it is given.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -426,24 +428,48 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
   """
   inner = getattr(inner, "inner", inner)   # a Zero1Transformation: its inner
   layout = lay.plan(params, max(int(num_shards), 2))
+  where, why = _verdict(inner, layout, dtype, extra_args)
+  if why and extra_args is None and xa.deferrable(inner, why):
+    # The update needs arguments init is not given: those it names missing
+    # are tried as float32 scalars (a loss value=). Accepted so: checked
+    # again at the first update with the real ones. Refused so for its
+    # arithmetic (polyak_sgd): refused here. Not traceable so (it needs an
+    # array, a function): refused here for what it missed.
+    guess: dict = {}
+    w, y = where, why
+    while y and xa.missing(y) - set(guess) and len(guess) < 8:
+      guess.update({k: jax.ShapeDtypeStruct((), jnp.float32)
+                    for k in xa.missing(y)})
+      w, y = _verdict(inner, layout, dtype, guess)
+    if not y:
+      return
+    if not y.startswith(xa.UNTRACEABLE):
+      where, why = w, y
+  if why:
+    raise Refused(why, where)
+
+
+def _verdict(inner: optax.GradientTransformation, layout: lay.Layout,
+             dtype: Any, extra: dict | None) -> tuple[str, str | None]:
+  """``(where, why)`` of the checks on ``layout`` with the update's extra
+  arguments ``extra``; remembered (:mod:`.verdicts`)."""
   key = verdicts.key(inner, layout, dtype)   # an equal check before: its verdict
-  if extra_args:
-    sig = xa.key(extra_args)
+  if extra:
+    sig = xa.key(extra)
     key = None if key is None or sig is None else (key, sig)
   found, verdict = verdicts.remembered(key)
   if not found:
     verdict = None
-    for check in _stages(layout, dtype, extra_args):
+    for check in _stages(layout, dtype, extra):
       why = check(inner)
       if why:   # name the part refused, in the stage that refused the whole
         verdict = f"{blame.locate(inner, why, check)}\n{why}"
         break
     verdicts.remember(key, verdict)
-  if verdict:
-    where, _, why = verdict.rpartition("\n")
-    if extra_args is None and xa.deferrable(inner, why):
-      return   # checked at the first update, with its arguments
-    raise Refused(why, where)
+  if not verdict:
+    return "", None
+  where, _, why = verdict.rpartition("\n")
+  return where, why
 
 
 def check_update_args(inner: optax.GradientTransformation, params: Any,

@@ -35,6 +35,7 @@ import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
@@ -51,6 +52,10 @@ def _moved(x: jax.Array) -> Any:
   """``x``'s value off the mesh: a weakly typed scalar as the Python scalar
   (weak in every jnp op, as ``x`` was), anything else as an uncommitted
   array of its dtype (``jax.device_put`` of its numpy value)."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):   # typed PRNG keys
+    return jax.random.wrap_key_data(
+        jax.device_put(np.asarray(jax.random.key_data(x))),
+        impl=jax.random.key_impl(x))
   if x.ndim == 0 and getattr(jax.typeof(x), "weak_type", False):
     return x.item()
   return jax.device_put(np.asarray(x))

@@ -117,3 +117,15 @@ def deferrable(inner: optax.GradientTransformation, why: str | None) -> bool:
   error = why.split(": ", 1)[-1]
   return error.startswith(_MISSING) and (
       error.startswith("KeyError") or "missing" in error or "required" in error)
+
+
+def missing(why: str | None) -> set:
+  """The argument names a refusal says were missing (``missing 1 required
+  keyword-only argument: 'value'``, ``KeyError: 'addendum'``)."""
+  import re
+  if not why:
+    return set()
+  error = why.split(": ", 1)[-1]
+  if not (error.startswith("KeyError") or "missing" in error):
+    return set()
+  return set(re.findall(r"'([A-Za-z_][A-Za-z0-9_]*)'", error.split(":", 1)[-1]))
