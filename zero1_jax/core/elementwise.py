@@ -51,71 +51,9 @@ from zero1_jax.core import extra_args as xa
 from zero1_jax.core import jaxpr_check as jc
 from zero1_jax.core import layout as lay
 from zero1_jax.core import verdicts
+from zero1_jax.core.refusal import (CANNOT_RUN, REFUSAL, Refused, brief,
+                                     refusal)
 from zero1_jax.core.size_check import size_reason
-
-REFUSAL = (
-    "zero1: the inner optimizer is not elementwise ({why}); ZeRO-1 runs it on "
-    "1/N slices of each parameter, which would silently change its result. "
-    "Use it unsharded (plain data parallel), or replace that transform with "
-    "an elementwise one (adam, adamw, lion, sgd, rmsprop, adagrad, ...); for "
-    "gradient clipping pass zero1(..., max_grad_norm=...) instead of "
-    "optax.clip_by_global_norm; to skip steps whose gradients hold inf/nan "
-    "(optax.apply_if_finite, zero_nans) pass "
-    "zero1(..., loss_scale=z1.NoLossScale(skip_nonfinite=True)). If you "
-    "know it to be elementwise (every number it computes for an element "
-    "depends on that element alone), zero1(..., check_elementwise=False) "
-    "skips this check.")
-
-
-# Reasons that are not about elementwise arithmetic: the optimizer's API does
-# not fit what zero1 calls (extra update arguments, a state that changes
-# structure, an init or update that fails on the shards zero1 hands it).
-CANNOT_RUN = (
-    "zero1: the inner optimizer cannot run under zero1 ({why}). zero1 calls "
-    "init(params) and update(grads, state, params) on each device's 1/N "
-    "shards of the parameters (with the extra keyword arguments tx.update "
-    "is given), and keeps the state's structure as init made it.{extra} Use "
-    "it unsharded (plain data "
-    "parallel), or an optimizer that fits that call; zero1(..., "
-    "check_elementwise=False) skips this check if the check itself is what "
-    "fails.")
-_API_REASONS = ("its init fails on", "its state structure depends",
-                "its update(grads, state, params) cannot be traced",
-                "its updates or new state have another structure",
-                "its update fails on the probe")
-
-
-def refusal(why: str, where: str = "") -> str:
-  """The refusal message for ``why``: :data:`CANNOT_RUN` when the optimizer's
-  API does not fit zero1's call, else :data:`REFUSAL` (not elementwise);
-  ``where`` (:func:`.blame.locate`: the refused transformation and its
-  place) leads the parenthesis."""
-  shown = f"{where}: {why}" if where else why
-  if not why.startswith(_API_REASONS):
-    return REFUSAL.format(why=shown)
-  extra = ""
-  if ("required keyword-only argument" in why or "required positional" in why
-      or "KeyError" in why):
-    extra = (" This one needs more (a loss value=, a schedule's argument, a "
-             "per-example gradient or a function to evaluate): zero1 forwards "
-             "tx.update's extra keyword arguments, tx.update(..., "
-             "value=loss), and checks the optimizer with scalars for them at "
-             "init; z1.train_step passes none.")
-  return CANNOT_RUN.format(why=shown, extra=extra)
-
-
-class Refused(ValueError):
-  """The refusal ValueError (:func:`refusal`); ``why`` names the reason,
-  ``where`` the refused transformation (may be empty)."""
-
-  def __init__(self, why: str, where: str = ""):
-    super().__init__(refusal(why, where))
-    self.why, self.where = why, where
-
-
-def _brief(e: Exception) -> str:
-  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-
 
 def leaf_dtype(spec: lay.LeafSpec, dtype: Any) -> np.dtype:
   """The dtype the inner optimizer sees at a leaf: its master dtype
@@ -170,7 +108,7 @@ def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
   try:
     a, b = (jax.eval_shape(inner.init, shards(g)) for g in (False, True))
   except Exception as e:  # noqa: BLE001 - an init that fails is refused
-    raise Refused(f"its init fails on {_handed(layout)}: {_brief(e)}") from e
+    raise Refused(f"its init fails on {_handed(layout)}: {brief(e)}") from e
   a_leaves, a_def = jax.tree.flatten_with_path(a)
   b_leaves, b_def = jax.tree.flatten(b)
   if a_def != b_def:
@@ -212,7 +150,7 @@ def jaxpr_reason(inner: optax.GradientTransformation, layout: lay.Layout,
         xa.updater(inner, rebuild), return_shape=True)(p, state, p, arrays)
   except Exception as e:  # noqa: BLE001 - any failure to trace is a refusal
     return (f"its update(grads, state, params) cannot be traced on the "
-            f"shards: {_brief(e)}")
+            f"shards: {brief(e)}")
   sharded = [s.kind == lay.SHARD for s in layout.leaves
              if s.kind != lay.STATIC]
   ins = ([jc.Taint(t) for t in sharded] + [jc.Taint(d is not None) for d in dims]
@@ -355,7 +293,7 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
       whole, parts = both(tree(full_p), tree(full_g), tree(split(full_p)),
                           tree(split(full_g)))
   except Exception as e:  # noqa: BLE001 - an update that fails is refused
-    return f"its update fails on the probe: {_brief(e)}"
+    return f"its update fails on the probe: {brief(e)}"
   floats = [x for x, s in zip(full_p, small.leaves) if s.kind != lay.STATIC]
   u_dims = [s.dim if s.kind == lay.SHARD else None for s in small.leaves
             if s.kind != lay.STATIC]
@@ -424,7 +362,7 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    zero1_jax.core.elementwise.Refused: zero1: the inner optimizer is not elementwise (...
+    zero1_jax.core.refusal.Refused: zero1: the inner optimizer is not elementwise (...
   """
   inner = getattr(inner, "inner", inner)   # a Zero1Transformation: its inner
   layout = lay.plan(params, max(int(num_shards), 2))

@@ -400,8 +400,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     # One param-dtype array per leaf either way.
     own_u = {i for i, ((_, u), p, spec) in enumerate(zip(pairs, p_leaves,
                                                         layout.leaves))
-             if as_updates and upd.gathers_u(spec, p.dtype, jnp.result_type(u),
-                                             cfg.master_dtype)}
+             if as_updates and u is not None
+             and upd.gathers_u(spec, p.dtype, jnp.result_type(u),
+                               cfg.master_dtype)}
     out = [(pairs[i][1] if i in own_u else m).astype(p.dtype)
            if spec.kind != lay.STATIC else p
            for i, (m, p, spec) in enumerate(zip(m_leaves, p_leaves,

@@ -185,7 +185,7 @@ def _salt() -> str:
                            optax.__version__)).encode())
   here = pathlib.Path(__file__).parent   # read, not imported (no cycle)
   for name in ("verdicts", "elementwise", "jaxpr_check", "size_check", "blame",
-               "extra_args", "layout"):
+               "extra_args", "refusal", "layout"):
     h.update((here / f"{name}.py").read_bytes())
   return h.hexdigest()
 
