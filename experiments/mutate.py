@@ -107,8 +107,8 @@ MUTANTS = [
         "gather_sends_stale_shard",
         "the all-gather sends the pre-update master shard",
         "zero1_jax/core/transform.py",
-        "shards = {i: m_leaves[i].astype(p_leaves[i].dtype)",
-        "shards = {i: chk.leaves_with_none(view)[i].astype(p_leaves[i].dtype)",
+        "out = [(pairs[i][1] if i in own_u else m).astype(p.dtype)",
+        "out = [(pairs[i][1] if i in own_u else view[i]).astype(p.dtype)",
         ("tests/test_equivalence.py", "-k", "bitwise")),
     Mutant(
         "in_place_reduce_on_wrong_dim",

@@ -34,6 +34,27 @@ FILES = {
     "freezing": "optax/transforms/_freezing_test.py",
     "schedule_free": "optax/contrib/_schedule_free_test.py",
     "sam": "optax/contrib/_sam_test.py",
+    "inject": "optax/schedules/_inject_test.py",
+    "clipping": "optax/transforms/_clipping_test.py",
+    "conditionality": "optax/transforms/_conditionality_test.py",
+    "adding": "optax/transforms/_adding_test.py",
+    "constraining": "optax/transforms/_constraining_test.py",
+    "layouts": "optax/transforms/_layouts_test.py",
+    "monitoring": "optax/transforms/_monitoring_test.py",
+    "lookahead": "optax/_src/lookahead_test.py",
+    "update": "optax/_src/update_test.py",
+    "float64": "optax/_src/float64_test.py",
+    "factorized": "optax/_src/factorized_test.py",
+    "linesearch": "optax/_src/linesearch_test.py",
+    "utils": "optax/_src/utils_test.py",
+    "mechanic": "optax/contrib/_mechanic_test.py",
+    "muon": "optax/contrib/_muon_test.py",
+    "reduce_on_plateau": "optax/contrib/_reduce_on_plateau_test.py",
+    "complex_valued": "optax/contrib/_complex_valued_test.py",
+    "galore": "optax/contrib/_galore_test.py",
+    "privacy": "optax/contrib/_privacy_test.py",
+    "state_utils": "optax/tree_utils/_state_utils_test.py",
+    "aggregating": "optax/experimental/_aggregating_test.py",
 }
 
 REASONS = {
@@ -43,9 +64,11 @@ REASONS = {
         "see 1/N of each leaf (core/elementwise.py names the operation)"),
     "refused:cannot-run": (
         "the optimizer does not fit the call zero1 makes on each device's "
-        "1/N shards (init(params), update(grads, state, params) with no "
-        "other arguments, a fixed state structure): e.g. it needs the loss "
-        "function or a value, or its state changes structure"),
+        "1/N shards (init(params), update(grads, state, params) with the "
+        "extra keyword arguments tx.update is given, a fixed state "
+        "structure): e.g. it needs per-example gradients, a function to "
+        "evaluate or an array argument (a scalar loss value= is checked at "
+        "init and forwarded), or its state changes structure"),
     "refused:float16 params": (
         "fp16 params in plain jit without an explicit loss-scale choice "
         "(z1.loss_scale / z1.zero1(..., loss_scale=...)): never a silent "
@@ -53,6 +76,8 @@ REASONS = {
     "refused:update needs params": (
         "tx.update(grads, state) without params: a float32 param is its own "
         "master, so zero1 needs params to slice it"),
+    "refused:update needs the gradients": (
+        "tx.update(None, state, params): nothing to reduce and update"),
 }
 
 
@@ -70,7 +95,8 @@ def _opt(params: str) -> str | None:
 
 
 # Refusals of the call, not of the optimizer: any optimizer gets them there.
-CALL_REFUSALS = ("refused:float16 params", "refused:update needs params")
+CALL_REFUSALS = ("refused:float16 params", "refused:update needs params",
+                 "refused:update needs the gradients")
 
 
 def _cell(c: collections.Counter, kind: str) -> str:
@@ -95,7 +121,8 @@ def render(table: dict) -> str:
       "from the committed table; an outcome that changes fails the test.",
       "",
       "Outcomes: **pass** (as with optax), **refused** (zero1 raises, with "
-      "the reason below, before training), **n/a** (the test reads what "
+      "the reason below, before training or at the first update that brings "
+      "extra arguments), **n/a** (the test reads what "
       "zero1 changes by design, e.g. the inner optimizer's state through "
       "zero1's: `z1.inner_state(tx, state, params)` gives it), **skip** "
       "(the test skips itself), **fail** (an assertion or error).",

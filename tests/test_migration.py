@@ -132,3 +132,100 @@ def test_flax_checkpoint_of_an_optax_run_restores_into_zero1():
   want, _ = run(opt(), params, state, more, msh)
   got, _ = run(tx, restored.params, restored.opt_state, more, msh)
   assert_close(got, want, RTOL, "restored from flax checkpoint ")
+
+
+# A state restored new under a run that is not (issue #38 item 7):
+# core/fresh_state.py reads the step of the TrainState / nnx.Optimizer
+# calling tx.update and warns at run time, once, naming the fix.
+NEW = r"the optimizer state is new .* but the training's step is {}.*" \
+      r"z1.flax.restore_checkpoint\(ckpt_dir, state\).*z1.from_optax_state"
+
+
+def _said(fn):
+  """The zero1 'new state' warnings ``fn()`` raised (run to completion),
+  each message said once per process forgotten first."""
+  import warnings
+  from zero1_jax.core import fresh_state
+  fresh_state._SAID.clear()
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    jax.block_until_ready(fn())
+    jax.effects_barrier()   # the callback's warning is in
+  return [str(x.message) for x in w if "optimizer state is new" in str(x.message)]
+
+
+def test_flax_restore_of_an_optax_checkpoint_warns_at_the_first_update(tmp_path):
+  """flax's checkpoints.restore_checkpoint of an optax TrainState into a
+  zero1 one: params and step restored, zero1's state new. Its first
+  apply_gradients warns; the second does not; z1.flax.restore_checkpoint's
+  state and a run from step 0 never do."""
+  import re
+  from flax.training import checkpoints, train_state
+  import zero1_jax.flax as z1flax
+
+  msh = mesh(4)
+  p0 = float_part(odd_params())
+  g = jax.tree.map(jnp.ones_like, p0)
+  step = jax.jit(lambda s: s.apply_gradients(grads=g))
+  with jax.set_mesh(msh):
+    p0 = jax.device_put(p0, NamedSharding(msh, P()))
+    ref = step(step(train_state.TrainState.create(apply_fn=None, params=p0,
+                                                  tx=opt())))
+    checkpoints.save_checkpoint(tmp_path, ref, step=2)
+    tx = z1.zero1(opt(), axis_name="data")
+    target = train_state.TrainState.create(apply_fn=None, params=p0, tx=tx)
+    silent = checkpoints.restore_checkpoint(tmp_path, target=target)
+    said = _said(lambda: step(silent))
+    assert len(said) == 1 and re.search(NEW.format(2), said[0]), said
+    once = []
+    _said(lambda: once.append(step(silent)) or once[0])
+    assert not _said(lambda: step(once[0]))   # updated once: no longer new
+    assert not _said(lambda: step(z1flax.restore_checkpoint(tmp_path, target)))
+    assert not _said(lambda: step(step(target)))
+
+
+def test_nnx_optimizer_and_zero1_train_state_warn_too():
+  from flax import nnx
+  import zero1_jax.flax as z1flax
+
+  class Lin(nnx.Module):
+    def __init__(self):
+      self.l = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+
+  @nnx.jit
+  def update(model, o):
+    o.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+
+  with jax.set_mesh(mesh(4)):
+    model = Lin()
+    o = nnx.Optimizer(model, z1.zero1(opt(), axis_name="data"), wrt=nnx.Param)
+    o.step[...] = 7            # the model and step restored, the optimizer new
+    said = _said(lambda: update(model, o) or o.step[...])
+  assert len(said) == 1 and "the training's step is 7" in said[0], said
+  # z1.flax.TrainState (inside shard_map: warned by the device(s), said once)
+  tx = z1.zero1(opt(), axis_name="data")
+  st = z1flax.TrainState.create(apply_fn=None, params=float_part(odd_params()),
+                                tx=tx, mesh=mesh(4)).replace(step=5)
+  specs = z1flax.state_specs(st, mesh(4))
+  g = jax.tree.map(np.ones_like, float_part(odd_params()))
+  per_device = lambda s, g: s.apply_gradients(
+      grads=jax.lax.pcast(g, "data", to="varying"))
+  step = jax.jit(jax.shard_map(per_device, mesh=mesh(4),
+                               in_specs=(specs, P()), out_specs=specs))
+  said = _said(lambda: step(st, g).step)
+  assert said and all("the training's step is 5" in s for s in said), said
+
+
+def test_zero1_checkpointer_names_the_conversion(saved, tmp_path):
+  """An optax run's orbax checkpoint given to z1.checkpoint: not zero1's,
+  and what converts it."""
+  import orbax.checkpoint as ocp
+  with ocp.CheckpointManager(tmp_path / "optax") as m:
+    m.save(3, args=ocp.args.StandardSave(dict(saved)))
+  tx = z1.zero1(opt(), axis_name="data")
+  with pytest.raises(z1.checkpoint.UnreadableCheckpointError,
+                     match=r"not a zero1_jax checkpoint .* z1.from_optax_state"
+                           r"\(tx, optax_state, params\).*"
+                           r"z1.flax.restore_checkpoint"):
+    z1.checkpoint.Checkpointer(tmp_path / "optax").restore(
+        None, tx, saved["params"], mesh(4))

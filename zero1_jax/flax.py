@@ -47,6 +47,7 @@ from flax import nnx
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
+from zero1_jax.core import fresh_state
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import step as zstep
 from zero1_jax.core.transform import Zero1Transformation
@@ -63,6 +64,7 @@ class TrainState(train_state.TrainState):
   def apply_gradients(self, *, grads, **kwargs):
     if not isinstance(self.tx, Zero1Transformation):
       return super().apply_gradients(grads=grads, **kwargs)
+    fresh_state.warn_if_new(self.opt_state, self.step)   # restored by flax?
     params, opt_state, _ = self.tx.apply(grads, self.opt_state, self.params)
     return self.replace(step=self.step + 1, params=params,
                         opt_state=opt_state, **kwargs)

@@ -265,7 +265,13 @@ class Checkpointer:
           f"{where} is not a zero1_jax checkpoint (it holds {items}: written "
           f"by orbax itself?); zero1_jax.checkpoint reads what its "
           f"Checkpointer.save wrote. Restore this one with orbax at the N it "
-          f"was saved at")
+          f"was saved at; if it is an optax run's optimizer state, restore it "
+          f"against that optax state's template (jax.eval_shape("
+          f"tx.inner.init, params)) and convert it with "
+          f"z1.from_optax_state(tx, optax_state, params), or a flax "
+          f"TrainState checkpoint with z1.flax.restore_checkpoint(ckpt_dir, "
+          f"state). (Restored into zero1's state with partial_restore=True, "
+          f"its moments and counts would start again at 0.)")
     for item, name in _REQUIRED.items():
       if not (path / item / name).exists():
         raise UnreadableCheckpointError(

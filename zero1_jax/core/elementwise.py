@@ -46,65 +46,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zero1_jax.core import blame
+from zero1_jax.core import extra_args as xa
 from zero1_jax.core import jaxpr_check as jc
 from zero1_jax.core import layout as lay
 from zero1_jax.core import verdicts
+from zero1_jax.core.refusal import (CANNOT_RUN, REFUSAL, Refused, brief,
+                                     refusal)
 from zero1_jax.core.size_check import size_reason
-
-REFUSAL = (
-    "zero1: the inner optimizer is not elementwise ({why}); ZeRO-1 runs it on "
-    "1/N slices of each parameter, which would silently change its result. "
-    "Use it unsharded (plain data parallel), or replace that transform with "
-    "an elementwise one (adam, adamw, lion, sgd, rmsprop, adagrad, ...); for "
-    "gradient clipping pass zero1(..., max_grad_norm=...) instead of "
-    "optax.clip_by_global_norm; to skip steps whose gradients hold inf/nan "
-    "(optax.apply_if_finite, zero_nans) pass "
-    "zero1(..., loss_scale=z1.NoLossScale(skip_nonfinite=True)). If you "
-    "know it to be elementwise (every number it computes for an element "
-    "depends on that element alone), zero1(..., check_elementwise=False) "
-    "skips this check.")
-
-
-# Reasons that are not about elementwise arithmetic: the optimizer's API does
-# not fit what zero1 calls (extra update arguments, a state that changes
-# structure, an init or update that fails on the shards zero1 hands it).
-CANNOT_RUN = (
-    "zero1: the inner optimizer cannot run under zero1 ({why}). zero1 calls "
-    "init(params) and update(grads, state, params) on each device's 1/N "
-    "shards of the parameters, with no other arguments, and keeps the "
-    "state's structure as init made it.{extra} Use it unsharded (plain data "
-    "parallel), or an optimizer that fits that call; zero1(..., "
-    "check_elementwise=False) skips this check if the check itself is what "
-    "fails.")
-_API_REASONS = ("its init fails on", "its state structure depends",
-                "its update(grads, state, params) cannot be traced",
-                "its updates or new state have another structure",
-                "its update fails on the probe")
-
-
-def refusal(why: str) -> str:
-  """The refusal message for ``why``: :data:`CANNOT_RUN` when the optimizer's
-  API does not fit zero1's call, else :data:`REFUSAL` (not elementwise)."""
-  if not why.startswith(_API_REASONS):
-    return REFUSAL.format(why=why)
-  extra = ""
-  if "required keyword-only argument" in why or "required positional" in why:
-    extra = (" This one needs more (a loss value=, a per-example gradient "
-             "or a function to evaluate), which z1.train_step does not pass.")
-  return CANNOT_RUN.format(why=why, extra=extra)
-
-
-class Refused(ValueError):
-  """The refusal ValueError (:func:`refusal`); ``why`` names the reason."""
-
-  def __init__(self, why: str):
-    super().__init__(refusal(why))
-    self.why = why
-
-
-def _brief(e: Exception) -> str:
-  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-
 
 def leaf_dtype(spec: lay.LeafSpec, dtype: Any) -> np.dtype:
   """The dtype the inner optimizer sees at a leaf: its master dtype
@@ -159,7 +108,7 @@ def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
   try:
     a, b = (jax.eval_shape(inner.init, shards(g)) for g in (False, True))
   except Exception as e:  # noqa: BLE001 - an init that fails is refused
-    raise Refused(f"its init fails on {_handed(layout)}: {_brief(e)}") from e
+    raise Refused(f"its init fails on {_handed(layout)}: {brief(e)}") from e
   a_leaves, a_def = jax.tree.flatten_with_path(a)
   b_leaves, b_def = jax.tree.flatten(b)
   if a_def != b_def:
@@ -184,25 +133,28 @@ def state_shard_dims(inner: optax.GradientTransformation, layout: lay.Layout,
 
 
 def jaxpr_reason(inner: optax.GradientTransformation, layout: lay.Layout,
-                 dtype: Any = jnp.float32) -> str | None:
+                 dtype: Any = jnp.float32, extra: dict | None = None
+                 ) -> str | None:
   """Why ``inner.update`` on ``layout``'s shards is not elementwise, read
-  from its jaxpr; None if every step is."""
+  from its jaxpr; None if every step is. ``extra``: the update's extra
+  keyword arguments (:mod:`.extra_args`)."""
   try:
     _, dims, _, _ = state_shard_dims(inner, layout, dtype)
   except Refused as e:
     return e.why
   p = shard_inputs(layout, dtype)
   state = jax.eval_shape(inner.init, p)
+  arrays, rebuild = xa.split(extra)
   try:
     closed, out_shape = jax.make_jaxpr(
-        lambda g, s, q: inner.update(g, s, q), return_shape=True)(p, state, p)
+        xa.updater(inner, rebuild), return_shape=True)(p, state, p, arrays)
   except Exception as e:  # noqa: BLE001 - any failure to trace is a refusal
     return (f"its update(grads, state, params) cannot be traced on the "
-            f"shards: {_brief(e)}")
+            f"shards: {brief(e)}")
   sharded = [s.kind == lay.SHARD for s in layout.leaves
              if s.kind != lay.STATIC]
   ins = ([jc.Taint(t) for t in sharded] + [jc.Taint(d is not None) for d in dims]
-         + [jc.Taint(t) for t in sharded])
+         + [jc.Taint(t) for t in sharded] + xa.taints(arrays))
   u_def = jax.tree.structure(out_shape[0])
   if (u_def != jax.tree.structure(p)
       or jax.tree.structure(out_shape[1]) != jax.tree.structure(state)):
@@ -275,9 +227,11 @@ def _key_data(x):
 
 
 def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
-                 dtype: Any = jnp.float32, seed: int = 0) -> str | None:
+                 dtype: Any = jnp.float32, seed: int = 0,
+                 extra: dict | None = None) -> str | None:
   """Two updates on ``probe_layout`` leaves, whole vs. as N shards (zero
-  padded, like zero1's master shards): why they differ, or None."""
+  padded, like zero1's master shards): why they differ, or None. ``extra``:
+  the update's extra keyword arguments, passed as ones of their shapes."""
   n = layout.num_shards
   small = probe_layout(layout, n)
   try:
@@ -310,10 +264,14 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
       out.append(np.stack(np.split(x, n, axis=s.dim)))
     return out
 
+  arrays, rebuild = xa.split(extra)
+  update = xa.updater(inner, rebuild)
+  values = xa.stand_ins(arrays)
+
   def run(p, g):
     state = inner.init(p)
-    u, state = inner.update(g, state, p)
-    u2, state = inner.update(g, state, optax.apply_updates(p, u))
+    u, state = update(g, state, p, values)
+    u2, state = update(g, state, optax.apply_updates(p, u), values)
     return [_key_data(x) for x in jax.tree.leaves((u, u2, state))]
 
   axes = small.inner_tree([0 if s.kind == lay.SHARD else None
@@ -326,12 +284,16 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
     # Only then: evaluating at compile time compiles each of the optimizer's
     # own jitted helpers on its own (19 programs for adam, 2.98 s against
     # 1.31 s for the first z1.init of a process).
+    # Inside a shard_map (an update's extra arguments are checked there) the
+    # probe's own arrays must not see its manual mesh: no mesh for them.
     traced = isinstance(jnp.zeros(()), jax.core.Tracer)
-    with jax.ensure_compile_time_eval() if traced else contextlib.nullcontext():
+    with (jax.ensure_compile_time_eval() if traced else contextlib.nullcontext(),
+          jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+          if traced else contextlib.nullcontext()):
       whole, parts = both(tree(full_p), tree(full_g), tree(split(full_p)),
                           tree(split(full_g)))
   except Exception as e:  # noqa: BLE001 - an update that fails is refused
-    return f"its update fails on the probe: {_brief(e)}"
+    return f"its update fails on the probe: {brief(e)}"
   floats = [x for x, s in zip(full_p, small.leaves) if s.kind != lay.STATIC]
   u_dims = [s.dim if s.kind == lay.SHARD else None for s in small.leaves
             if s.kind != lay.STATIC]
@@ -381,10 +343,17 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
 
 
 def check_elementwise(inner: optax.GradientTransformation, params: Any,
-                      num_shards: int = 2, dtype: Any = jnp.float32) -> None:
+                      num_shards: int = 2, dtype: Any = jnp.float32,
+                      extra_args: dict | None = None) -> None:
   """Raises ValueError (REFUSAL, naming why) unless ``inner`` is elementwise
   on ``params`` split over ``num_shards`` (at least 2: the decision does not
   hang on the mesh size) in ``dtype``.
+
+  ``extra_args``: None at ``tx.init``, where an update that cannot be
+  traced without extra keyword arguments it takes (:func:`.extra_args.
+  deferrable`) is checked with float32 scalars for the ones it misses, and
+  if accepted so, checked again at its first update with the real ones
+  (:func:`check_update_args`); at an update, the arguments it is given.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -393,18 +362,91 @@ def check_elementwise(inner: optax.GradientTransformation, params: Any,
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    zero1_jax.core.elementwise.Refused: zero1: the inner optimizer is not elementwise (...
+    zero1_jax.core.refusal.Refused: zero1: the inner optimizer is not elementwise (...
   """
   inner = getattr(inner, "inner", inner)   # a Zero1Transformation: its inner
   layout = lay.plan(params, max(int(num_shards), 2))
-  key = verdicts.key(inner, layout, dtype)   # an equal check before: its verdict
-  found, why = verdicts.remembered(key)
-  if not found:
-    why = jaxpr_reason(inner, layout, dtype)
-    if not why:
-      owners = state_shard_dims(inner, layout, dtype)[3]
-      why = (size_reason(inner, layout, dtype, owners)
-             or probe_reason(inner, layout, dtype))
-    verdicts.remember(key, why)
+  where, why = _verdict(inner, layout, dtype, extra_args)
+  if why and extra_args is None and xa.deferrable(inner, why):
+    # The update needs arguments init is not given: those it names missing
+    # are tried as float32 scalars (a loss value=). Accepted so: checked
+    # again at the first update with the real ones. Refused so for its
+    # arithmetic (polyak_sgd): refused here. Not traceable so (it needs an
+    # array, a function): refused here for what it missed.
+    guess: dict = {}
+    w, y = where, why
+    while y and xa.missing(y) - set(guess) and len(guess) < 8:
+      guess.update({k: jax.ShapeDtypeStruct((), jnp.float32)
+                    for k in xa.missing(y)})
+      w, y = _verdict(inner, layout, dtype, guess)
+    if not y:
+      return
+    if not y.startswith(xa.UNTRACEABLE):
+      where, why = w, y
   if why:
-    raise Refused(why)
+    raise Refused(why, where)
+
+
+def _verdict(inner: optax.GradientTransformation, layout: lay.Layout,
+             dtype: Any, extra: dict | None) -> tuple[str, str | None]:
+  """``(where, why)`` of the checks on ``layout`` with the update's extra
+  arguments ``extra``; remembered (:mod:`.verdicts`)."""
+  key = verdicts.key(inner, layout, dtype)   # an equal check before: its verdict
+  if extra:
+    sig = xa.key(extra)
+    key = None if key is None or sig is None else (key, sig)
+  found, verdict = verdicts.remembered(key)
+  if not found:
+    verdict = None
+    for check in _stages(layout, dtype, extra):
+      why = check(inner)
+      if why:   # name the part refused, in the stage that refused the whole
+        verdict = f"{blame.locate(inner, why, check)}\n{why}"
+        break
+    verdicts.remember(key, verdict)
+  if not verdict:
+    return "", None
+  where, _, why = verdict.rpartition("\n")
+  return where, why
+
+
+def check_update_args(inner: optax.GradientTransformation, params: Any,
+                      num_shards: int, dtype: Any, extra_args: dict) -> None:
+  """At an update: with extra arguments, :func:`check_elementwise` with
+  them (once per their names, shapes and dtypes); without, the refusal
+  ``tx.init`` left to this update, if it left one."""
+  if extra_args:
+    check_elementwise(inner, params, num_shards, dtype, extra_args)
+    return
+  layout = lay.plan(params, max(int(num_shards), 2))
+  key = verdicts.key(inner, layout, dtype)
+  found, verdict = verdicts.remembered(key)
+  if key is None and xa.takes_extra(inner):   # nothing remembered: retrace
+    why = jaxpr_reason(inner, layout, dtype)
+    found, verdict = True, (f"\n{why}" if xa.deferrable(inner, why) else None)
+  if found and verdict:
+    where, _, why = verdict.rpartition("\n")
+    raise Refused(why, where or blame.locate(inner, why,
+                                             _stages(layout, dtype)[0]))
+
+
+def located(e: Refused, inner: optax.GradientTransformation,
+            layout: lay.Layout, dtype: Any = jnp.float32) -> Refused:
+  """``e`` (a refusal by :func:`state_shard_dims`) naming the refused part
+  of ``inner`` (:func:`.blame.locate`)."""
+  if e.where:
+    return e
+  return Refused(e.why, blame.locate(inner, e.why, _stages(layout, dtype)[0]))
+
+
+def _stages(layout: lay.Layout, dtype: Any, extra: dict | None = None) -> list:
+  """The checks in order, each ``inner -> why or None``: the jaxpr, the
+  same program on whole leaves and shards, the numeric probe."""
+  def size(inner):
+    try:
+      owners = state_shard_dims(inner, layout, dtype)[3]
+    except Refused as e:
+      return e.why
+    return size_reason(inner, layout, dtype, owners, extra)
+  return [lambda inner: jaxpr_reason(inner, layout, dtype, extra), size,
+          lambda inner: probe_reason(inner, layout, dtype, extra=extra)]

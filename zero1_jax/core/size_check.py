@@ -6,16 +6,24 @@ factors the second moment of leaves whose two largest dims reach
 ``min_dim_size_to_factor`` (128), ``mask=lambda p: p.size >= 256`` decays
 only large leaves. Under ZeRO-1 the inner optimizer sees this device's rows,
 so the decision flips with N: a (256, 256) kernel is factored whole but not as
-a (32, 256) shard at N=8, and a 512-element kernel is decayed whole but not as
-64-element slices. Each shard's computation is then elementwise, so neither
+a (32, 256) shard at N=8, a 512-element kernel is decayed whole but not as
+64-element slices, and ``multi_transform({"big": sgd(0.01), "small":
+sgd(0.1)}, labels by x.size > 64)`` runs ``sgd(0.1)`` on every shard of a
+128-element kernel. Each shard's computation is then elementwise, so neither
 the jaxpr check (it reads the program on the shards) nor the numeric probe
-(it runs small stand-in leaves) can see that it is another computation.
+(it runs small stand-in leaves, which cross no real size threshold) can see
+that it is another computation.
 
 :func:`size_reason` traces ``inner.init`` and ``inner.update`` abstractly (no
-compile, no memory) on the whole parameters and on the shards. The state must
-have the same structure, each state leaf shaped like a parameter shard must
-be shaped like the whole parameter there, and both updates must run the same
-operations in the same order (sizes and constants aside).
+compile, no memory) on the real whole parameters and on their real shards.
+The state must have the same structure, each state leaf shaped like a
+parameter shard must be shaped like the whole parameter there, and each of
+init and update must be one program on both (:func:`_compare`): the same
+operations in the same order on the same operands, equal literals, constants
+and scalar parameters, and every shape the same or a parameter's whole shape
+where the shard has its shard shape. Under tracing every Python decision by
+size shows as one of those, so a program that passes is the same
+computation on every element (the jaxpr check has made it elementwise).
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -35,8 +43,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 import optax
 
+from zero1_jax.core import extra_args as xa
 from zero1_jax.core import layout as lay
 
 FIX = ("decide by ndim or by path instead of by size or shape (under zero1 "
@@ -50,30 +60,162 @@ def _inputs(layout: lay.Layout, dtype: Any, whole: bool) -> Any:
       for s in layout.leaves])
 
 
-def _ops(jaxpr) -> list[str]:
-  """The primitives ``jaxpr`` runs, in order, sub-programs (pjit, cond
-  branches, loops, custom rules) bracketed in place; no shapes, no values."""
+# Equation parameters compared by value (shapes, axes and sub-programs are
+# compared on their own terms below).
+_SCALARS = (bool, int, float, complex, str, np.dtype, np.generic)
+
+
+class _Differ(Exception):
+  """Where the two programs part: each side's equation, in words."""
+
+  def __init__(self, a: str, b: str):
+    super().__init__(a)
+    self.a, self.b = a, b
+
+
+def _num(x) -> str:
+  x = np.asarray(x)
+  return (f"{x.item():.6g}" if x.size == 1 and x.dtype.kind in "fc"
+          else str(x.item()) if x.size == 1 else f"an array {x.shape}")
+
+
+def _show(eqn, name) -> str:
+  """``prim[param=...](operands) -> dtype[shape]`` with operands named by
+  ``name`` (a parameter's path, a literal's value, ``vK`` a temporary)."""
+  params = ", ".join(f"{k}={v}" for k, v in eqn.params.items()
+                     if isinstance(v, _SCALARS) and v is not None and k != "name")
+  ops = ", ".join(_num(v.val) if hasattr(v, "val") else name(v)
+                  for v in eqn.invars)
+  outs = ", ".join(str(v.aval.str_short()) if hasattr(v.aval, "str_short")
+                   else str(v.aval) for v in eqn.outvars)
+  return f"`{eqn.primitive}{f'[{params}]' if params else ''}({ops}) -> {outs}`"
+
+
+def _subs(v) -> list:
+  """The sub-programs in an equation parameter: a jaxpr, a closed one, or a
+  tuple of them (``cond``'s branches)."""
+  return [j for j in (v if isinstance(v, (tuple, list)) else (v,))
+          if hasattr(getattr(j, "jaxpr", j), "eqns")]
+
+
+def _same_value(x, y, pairs: set) -> bool:
+  """Two constants alike: equal (dtype too), or of a parameter's whole and
+  shard shapes and each one value throughout (``zeros_like``), the same."""
+  x, y = np.asarray(x), np.asarray(y)
+  if x.dtype != y.dtype:
+    return False
+  if x.shape == y.shape:
+    return bool(np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"))
+  if (x.shape, y.shape) not in pairs or not x.size or not y.size:
+    return False
+  return _same_value(x.ravel()[0], y.ravel()[0], pairs) and bool(
+      np.all(x == x.ravel()[0]) and np.all(y == y.ravel()[0]))
+
+
+def _compare(a, b, pairs: set, names: dict | None = None) -> None:
+  """Raises :class:`_Differ` unless the closed jaxprs ``a`` (traced on the
+  whole parameters) and ``b`` (on their shards) are one program: the same
+  equations in the same order on the same operands (values numbered as they
+  are defined), equal literals, constants and scalar parameters, alike
+  sub-programs, and every value of the same dtype and rank, its shape the
+  same in both or, in ``a``, a parameter's whole shape where ``b`` has that
+  parameter's shard shape (``pairs``). ``names``: input number -> what to
+  call it in the message (``grads['w']``)."""
+  ja, ca = (a.jaxpr, a.consts) if hasattr(a, "consts") else (a, ())
+  jb, cb = (b.jaxpr, b.consts) if hasattr(b, "consts") else (b, ())
+  if len(ca) != len(cb) or not all(_same_value(x, y, pairs)
+                                   for x, y in zip(ca, cb)):
+    raise _Differ("the constants it closes over", "other ones")
+  ids_a, ids_b = {}, {}
+  names = names or {}
+  first = len(ja.constvars)
+
+  def define(u, v):
+    ids_a[u] = ids_b[v] = len(ids_a)
+
+  def name_in(ids):
+    return lambda v: names.get(ids.get(v, -1) - first, f"v{ids.get(v, '?')}")
+
+  def differ(ea, eb):
+    return _Differ(_show(ea, name_in(ids_a)) if ea is not None else "nothing",
+                   _show(eb, name_in(ids_b)) if eb is not None else "nothing")
+
+  def alike(u, v) -> bool:   # the same operand: one value, or equal literals
+    if hasattr(u, "val") or hasattr(v, "val"):
+      return (hasattr(u, "val") and hasattr(v, "val")
+              and _same_value(u.val, v.val, pairs))
+    return u in ids_a and v in ids_b and ids_a[u] == ids_b[v]
+
+  def shaped(u, v) -> bool:
+    x, y = u.aval, v.aval
+    sx, sy = tuple(getattr(x, "shape", ())), tuple(getattr(y, "shape", ()))
+    return (getattr(x, "dtype", None) == getattr(y, "dtype", None)
+            and len(sx) == len(sy) and (sx == sy or (sx, sy) in pairs))
+
+  for u, v in zip(ja.constvars + ja.invars, jb.constvars + jb.invars):
+    define(u, v)
+  for ea, eb in zip(ja.eqns, jb.eqns):
+    if (ea.primitive != eb.primitive or sorted(ea.params) != sorted(eb.params)
+        or len(ea.invars) != len(eb.invars)
+        or len(ea.outvars) != len(eb.outvars)
+        or not all(map(alike, ea.invars, eb.invars))
+        or not all(map(shaped, ea.outvars, eb.outvars))):
+      raise differ(ea, eb)
+    for k, pa in ea.params.items():
+      pb = eb.params[k]
+      sa, sb = _subs(pa), _subs(pb)
+      if (isinstance(pa, _SCALARS) and not (type(pa) is type(pb) and pa == pb)
+          or len(sa) != len(sb)):
+        raise differ(ea, eb)
+      for x, y in zip(sa, sb):
+        try:
+          _compare(x, y, pairs)
+        except _Differ:
+          raise differ(ea, eb) from None
+    for u, v in zip(ea.outvars, eb.outvars):
+      define(u, v)
+  if len(ja.eqns) != len(jb.eqns):
+    k = min(len(ja.eqns), len(jb.eqns))
+    raise differ(ja.eqns[k] if k < len(ja.eqns) else None,
+                 jb.eqns[k] if k < len(jb.eqns) else None)
+  if len(ja.outvars) != len(jb.outvars) or not all(
+      map(alike, ja.outvars, jb.outvars)):
+    raise _Differ("its results in one order", "in another")
+
+
+def _differs(what: str, a, b, pairs: set, names: dict) -> str | None:
+  """Why ``what`` (``"update"``, ``"init"``) computes another program on the
+  whole parameters (closed jaxpr ``a``) than on the shards (``b``), or None."""
+  try:
+    _compare(a, b, pairs, names)
+  except _Differ as d:
+    return (f"its {what} runs other operations on the whole parameters than "
+            f"on a shard ({d.a} against {d.b}): a mask, label, constant or "
+            f"branch decided by size or shape; {FIX}")
+  return None
+
+
+def _names(**trees) -> dict:
+  """Input number of a traced function of ``trees`` (in order) -> its path."""
   out = []
-  for eqn in jaxpr.eqns:
-    out.append(str(eqn.primitive))
-    for v in eqn.params.values():
-      for j in v if isinstance(v, (tuple, list)) else (v,):
-        j = getattr(j, "jaxpr", j)
-        if hasattr(j, "eqns"):
-          out += ["{", *_ops(j), "}"]
-  return out
+  for pre, tree in trees.items():
+    out += [pre + jax.tree_util.keystr(k)
+            for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return dict(enumerate(out))
 
 
-def _program(inner: optax.GradientTransformation, p: Any, state: Any):
-  return jax.make_jaxpr(lambda g, s, q: inner.update(g, s, q))(p, state, p).jaxpr
+def _program(fn, *args):
+  return jax.make_jaxpr(fn)(*args)
 
 
 def size_reason(inner: optax.GradientTransformation, layout: lay.Layout,
-                dtype: Any, owners: Sequence[int | None]) -> str | None:
+                dtype: Any, owners: Sequence[int | None],
+                extra: dict | None = None) -> str | None:
   """Why ``inner`` computes something else on ``layout``'s shards than on
   the whole parameters, or None. ``owners``: per state leaf on the shards,
   the parameter leaf it is shaped like, or None
-  (:func:`.elementwise.state_shard_dims`)."""
+  (:func:`.elementwise.state_shard_dims`); ``extra``: the update's extra
+  keyword arguments (:mod:`.extra_args`)."""
   whole, shards = _inputs(layout, dtype, True), _inputs(layout, dtype, False)
   try:
     s_whole = jax.eval_shape(inner.init, whole)
@@ -102,11 +244,13 @@ def size_reason(inner: optax.GradientTransformation, layout: lay.Layout,
               f"for the whole {where} (factored moments, as optax.adafactor and "
               f"scale_by_factored_rms keep for large leaves, or a choice by "
               f"size); {FIX}")
-  a, b = _ops(_program(inner, whole, s_whole)), _ops(_program(inner, shards, s_shard))
-  if a != b:
-    k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    at = lambda ops: f"`{ops[k]}`" if k < len(ops) else "nothing"
-    return (f"its update runs other operations on the whole parameters than "
-            f"on a shard ({at(a)} against {at(b)} at operation {k + 1}): a "
-            f"mask, label or branch decided by size or shape; {FIX}")
-  return None
+  pairs = {(s.shape, s.shard_shape) for s in layout.leaves
+           if s.kind != lay.STATIC}
+  arrays, rebuild = xa.split(extra)
+  update = xa.updater(inner, rebuild)
+  return (_differs("init", _program(inner.init, whole),
+                   _program(inner.init, shards), pairs, _names(params=whole))
+          or _differs("update", _program(update, whole, s_whole, whole, arrays),
+                      _program(update, shards, s_shard, shards, arrays), pairs,
+                      _names(grads=whole, state=s_whole, params=whole,
+                             extra=arrays)))

@@ -42,7 +42,10 @@ def state_specs(tx: Any, params: Any, num_shards: int,
                       param_axes.taken)
     spec = lambda i: param_axes.state_spec(i, layout.leaves[i])
 
-  treedef, _, _, owners = ew.state_shard_dims(tx.inner, layout, mdt)
+  try:
+    treedef, _, _, owners = ew.state_shard_dims(tx.inner, layout, mdt)
+  except ew.Refused as e:   # say which transformation
+    raise ew.located(e, tx.inner, layout, mdt) from None
   inner = treedef.unflatten([P() if i is None else spec(i) for i in owners])
   master = master_tree(layout, mdt, [spec(i) for i in range(len(layout.leaves))])
   ls = precision.LossScaleState(P(), P(), P(), P())

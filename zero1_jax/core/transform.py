@@ -36,11 +36,16 @@ import optax
 from zero1_jax.core import boxes
 from zero1_jax.core import checks as chk
 from zero1_jax.core import collectives as col
+from zero1_jax.core import elementwise as ew
+from zero1_jax.core import explicit_consts
+from zero1_jax.core import fresh_state
 from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
 from zero1_jax.core import offload as ofl
+from zero1_jax.core import optax_protocol as proto
 from zero1_jax.core import precision
 from zero1_jax.core import param_axes as pax
+from zero1_jax.core import updates as upd
 from zero1_jax.core.state import Zero1State, master_tree
 from zero1_jax.core.tx_config import (MULTISTEPS_CLIP, StepInfo, Zero1Config,
                                       Zero1Transformation)
@@ -57,7 +62,7 @@ NEEDS_PARAMS = (
     "zero1: update needs params: tx.update(grads, state, params). A "
     "parameter already in its master dtype (float32 params) is its own "
     "master, so the state keeps no copy of it; each step slices this "
-    "device's shard from params, and new - params is the update.")
+    "device's shard from params.")
 
 
 def _arrays(tree: Any) -> Any:
@@ -171,9 +176,19 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     ``update`` go to the inner optimizer where it takes them). Its
     ``update(grads, state, params)`` takes this device's local, unreduced
     gradients inside shard_map and returns full updates in the params'
-    dtypes, as optax does, such that ``optax.apply_updates(params, updates)``
-    gives the new weights (for bf16/fp16 params: the fp32 master cast,
-    exactly wherever a step at most doubles or halves a weight).
+    dtypes, as optax does (:mod:`zero1_jax.core.updates`): where a param is
+    its own master (fp32 params, float64, complex) ``updates`` is the inner
+    optimizer's ``u``, gathered from the shards, and
+    ``optax.apply_updates(params, updates)`` rounds ``params + u`` once;
+    for bf16/fp16 params (a stored fp32 master) ``updates`` is
+    ``new - params`` in the param dtype, where ``new`` is the fp32 master
+    after the step cast down, not the inner ``u`` (an fp32 step of the
+    master, which a 16-bit param cannot hold), so ``apply_updates`` gives
+    the cast master, exactly wherever a step at most doubles or halves a
+    weight. (``tx.apply``, which :func:`zero1_jax.train_step` uses, adds
+    ``u`` inside its own program, where XLA may fuse the last multiply and
+    the add into one rounding: its fp32 weights can differ from
+    ``apply_updates(params, updates)``'s by one rounding of the weight.)
     Outside shard_map (plain ``jax.jit`` or eager, under ``jax.set_mesh`` or
     on arrays placed on a mesh), ``init`` and ``update`` run through
     :mod:`zero1_jax.core.jit_mode` and take the gradients ``jax.grad``
@@ -195,6 +210,8 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                     offload=ofl.resolve(offload))
   if max_grad_norm is not None and isinstance(inner, optax.MultiSteps):
     warnings.warn(MULTISTEPS_CLIP, UserWarning, stacklevel=2)
+  # Arrays on an Explicit mesh, which shard_map cannot close over.
+  inner = explicit_consts.movable(inner)
   axis = axis_name
 
   def axes_of(params, param_axes):
@@ -229,6 +246,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
                       inner_state, _loss_scaler(cfg, params).init())
 
   def init_fn(params) -> Zero1State:
+    if proto.is_placeholder(params):   # optax.tree_utils.tree_map_params
+      return proto.placeholder_state(
+          inner, (cfg.loss_scale or precision.NoLossScale()).init())
     like = params
     # The state holds bare arrays; Python scalars become arrays, as optax's
     # init makes them (jnp.zeros_like(1.0) is a float32 scalar).
@@ -242,8 +262,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
 
   def apply_fn(grads, state: Zero1State, params, grads_are: str = jm.LOCAL,
                *, pre_reduced: bool = False, param_axes=None,
-               extra_args: dict | None = None, order=None,
-               platform: str | None = None, shards_in=None, shard_out=()):
+               extra_args: dict | None = None, as_updates: bool = False,
+               order=None, platform: str | None = None, shards_in=None,
+               shard_out=()):
     """``order``: the leaves in the order the loss first reads them
     (:mod:`zero1_jax.core.order`; reduced in reverse, gathered in it);
     ``platform``: the mesh's ('gpu', 'cpu', ...) for ``inplace_bytes="auto"``;
@@ -256,6 +277,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
     layout = layout_of(params, pa)
     n = layout.num_shards
     p_leaves = jax.tree.leaves(params)
+    if cfg.check_elementwise:   # with the extra arguments init could not know
+      ew.check_update_args(inner, params, n, cfg.master_dtype,
+                           extra_args or {})
     g_leaves = (chk.check_shards(grads, layout) if pre_reduced
                 else chk.check_tree("grads", grads, layout))
     if grads_are == jm.LOCAL and not pre_reduced:
@@ -367,39 +391,57 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
             lambda a, b: jnp.where(skipped, a, b), old, new)
         new_view = keep(view, new_view)
         new_inner = keep(inner_state, new_inner)
-      return chk.leaves_with_none(new_view), new_inner
+        updates = upd.zero_where(skipped, updates)
+      u = jax.tree.map(lambda _, x: x, view, updates)   # view's structure
+      # (new master, u) per leaf: offload's streaming carries them as one.
+      return list(zip(chk.leaves_with_none(new_view),
+                      chk.leaves_with_none(u))), new_inner
 
     if cfg.offload:   # one group of host-resident state at a time
-      m_leaves, new_inner = ofl.streamed(
+      pairs, new_inner = ofl.streamed(
           inner_step, layout, ofl.owners(inner, layout, cfg.master_dtype),
           g_list, state.inner, view, [m is not None for m in stored],
           int(cfg.bucket_bytes))
-      kept = _masters_to_host(m_leaves, layout)
     else:
-      m_leaves, new_inner = inner_step(g_list, state.inner, view)
-      kept = m_leaves
+      pairs, new_inner = inner_step(g_list, state.inner, view)
+    m_leaves = [m for m, _ in pairs]
+    kept = _masters_to_host(m_leaves, layout) if cfg.offload else m_leaves
     new_state = Zero1State(master_tree(layout, cfg.master_dtype, kept),
                            new_inner, scaler.update(state.loss_scale, skipped))
 
-    # 4. Gather the new weights in the parameter dtype (those in shard_out
-    # stay this device's shard: the next step gathers them).
-    shards = {i: m_leaves[i].astype(p_leaves[i].dtype)
-              for i in layout.indices(lay.SHARD)}
-    full = col.all_gather(shards, layout, g_buckets, axis)
-    new_params = []
-    for i, (p, spec) in enumerate(zip(p_leaves, layout.leaves)):
-      if spec.kind == lay.SHARD:
-        new_params.append(shards[i] if i in shard_out else full[i])
-      elif spec.kind == lay.REPLICATE:
-        new_params.append(m_leaves[i].astype(p.dtype))
-      else:
-        new_params.append(p)
-    new_params = layout.treedef.unflatten(new_params)
-    return new_params, new_state, StepInfo(g_norm, skipped, scale)
+    # 4. Gather the new weights in the parameter dtype; as_updates (tx.update):
+    # optax's u instead where the param is its own master (core/updates.py).
+    # One param-dtype array per leaf either way; those in shard_out stay this
+    # device's shard (g_buckets leave them out: the next step gathers them).
+    own_u = {i for i, ((_, u), p, spec) in enumerate(zip(pairs, p_leaves,
+                                                        layout.leaves))
+             if as_updates and u is not None
+             and upd.gathers_u(spec, p.dtype, jnp.result_type(u),
+                               cfg.master_dtype)}
+    out = [(pairs[i][1] if i in own_u else m).astype(p.dtype)
+           if spec.kind != lay.STATIC else p
+           for i, (m, p, spec) in enumerate(zip(m_leaves, p_leaves,
+                                                layout.leaves))]
+    full = col.all_gather({i: out[i] for i in layout.indices(lay.SHARD)},
+                          layout, g_buckets, axis)
+    out = [full.get(i, v) for i, v in enumerate(out)]
+    if as_updates:
+      out = [v if i in own_u else upd.difference(v, p)
+             for i, (v, p) in enumerate(zip(out, p_leaves))]
+    return (layout.treedef.unflatten(out), new_state,
+            StepInfo(g_norm, skipped, scale))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates=None, state=None, params=None, **extra_args):
+    grads, extra_args = proto.updates_arg(updates, extra_args)
     if params is None:
       raise ValueError(NEEDS_PARAMS)
+    if state is None:   # a stateless inner, as optax's tests update it
+      proto.check_none_state(inner, pax.strip_variables(params),
+                             cfg.loss_scale)
+      state = init_fn(params)
+    step = fresh_state.owner_step(tx)   # a TrainState's, an nnx.Optimizer's
+    if step is not None:
+      fresh_state.warn_if_new(boxes.strip(state), step)
     like = params
     grads = _arrays(pax.strip_variables(grads))
     params = _arrays(pax.strip_variables(params))
@@ -414,24 +456,11 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
 
   def update_as(grads, state, params, grads_are, param_axes=None,
                 extra_args=None, platform=None):
-    new_params, new_state, _ = apply_fn(grads, state, params, grads_are,
-                                        param_axes=param_axes,
-                                        extra_args=extra_args,
-                                        platform=platform)
-
-    def diff(new, p):
-      # In the param dtype, as optax returns updates. For bf16/fp16 params
-      # new - p is exact (Sterbenz) whenever the step changes a weight by at
-      # most a factor 2, so apply_updates gives the master's cast exactly;
-      # otherwise (a sign change) within the rounding of the update itself.
-      # The master never reads the params back, so nothing accumulates.
-      p = jnp.asarray(p)
-      if not lay.trainable(p.dtype):
-        return jnp.zeros_like(p)
-      wide = jnp.promote_types(p.dtype, jnp.float32)
-      return (new.astype(wide) - p.astype(wide)).astype(p.dtype)
-
-    return jax.tree.map(diff, new_params, params), new_state
+    updates, new_state, _ = apply_fn(grads, state, params, grads_are,
+                                     param_axes=param_axes,
+                                     extra_args=extra_args, as_updates=True,
+                                     platform=platform)
+    return updates, new_state
 
   tx = Zero1Transformation(init_fn, update_fn)
   tx.config = cfg

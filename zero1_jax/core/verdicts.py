@@ -21,8 +21,8 @@ Verdicts are also kept on disk, one small file per key (under
 too: on bert-large's tree a start drops from the check's seconds to a
 file read. The file name hashes the key together with the versions of
 Python, jax and optax and the source of the check itself (this module,
-:mod:`.elementwise`, :mod:`.jaxpr_check`, :mod:`.layout`): a change to any
-of them misses. A file that cannot be read or written is a miss, never an
+:mod:`.elementwise`, :mod:`.jaxpr_check`, :mod:`.size_check`,
+:mod:`.layout`): a change to any of them misses. A file that cannot be read or written is a miss, never an
 error.
 
 Example:
@@ -184,7 +184,8 @@ def _salt() -> str:
   h = hashlib.sha256(repr((sys.version, jax.__version__,
                            optax.__version__)).encode())
   here = pathlib.Path(__file__).parent   # read, not imported (no cycle)
-  for name in ("verdicts", "elementwise", "jaxpr_check", "layout"):
+  for name in ("verdicts", "elementwise", "jaxpr_check", "size_check", "blame",
+               "extra_args", "refusal", "layout"):
     h.update((here / f"{name}.py").read_bytes())
   return h.hexdigest()
 

@@ -1,0 +1,165 @@
+"""A zero1 state reads like its inner optimizer's state (issue #38 item 4).
+
+Training loops read and set ``opt_state.hyperparams["learning_rate"]``
+(inject_hyperparams) and read ``opt_state.gradient_step`` / ``mini_step`` /
+``acc_grads`` (optax.MultiSteps; google-deepmind/nanodo's train and metrics
+code); on ``Zero1State`` they raised AttributeError. Here: attribute reads,
+``optax.tree_utils.tree_get`` / ``tree_set`` by name, and setting the
+learning rate taking effect, in plain jit, in a flax ``TrainState`` and in
+``nnx.Optimizer``.
+
+Comparisons are zero1 against zero1 (the same program: bitwise), or against
+optax within tests/test_updates.py's bound (8 ulps of max|u|, measured
+bitwise).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import zero1_jax as z1
+from zero1_jax.core import state as zstate
+from helpers import assert_equal, mesh
+
+N = 8
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 15, dtype=jnp.float32).reshape(5, 3),
+          "b": jnp.arange(7, dtype=jnp.float32) / 7}
+GRADS = jax.tree.map(lambda x: jnp.cos(3 * x) + 0.25, PARAMS)
+inject = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+
+
+def _step(tx, state, params=PARAMS):
+  return jax.jit(tx.update)(GRADS, state, params)
+
+
+def test_hyperparams_read_and_set_in_plain_jit():
+  tx = z1.zero1(inject(), axis_name="data")
+  with jax.set_mesh(mesh(N)):
+    s = tx.init(PARAMS)
+    assert float(s.hyperparams["learning_rate"]) == pytest.approx(1e-2)
+    assert s.hyperparams is s.inner.hyperparams
+    _, s = _step(tx, s)
+    assert int(s.count) == 1                       # inject_hyperparams' count
+    base, _ = _step(tx, s)
+    # Set as inject_hyperparams' docs do: in the state's dict ...
+    s.hyperparams["learning_rate"] = jnp.asarray(0.5)
+    by_attr, _ = _step(tx, s)
+    # ... or with optax.tree_utils.tree_set by name.
+    s.hyperparams["learning_rate"] = jnp.asarray(1e-2)
+    s2 = optax.tree_utils.tree_set(s, learning_rate=jnp.asarray(0.5))
+    assert float(optax.tree_utils.tree_get(s2, "learning_rate")) == 0.5
+    by_tree_set, _ = _step(tx, s2)
+  # adam's step scales with the rate: 50 times the step at 1e-2, the same
+  # arithmetic (one multiply by the rate): within 2 roundings of each.
+  for k in PARAMS:
+    np.testing.assert_allclose(np.asarray(by_attr[k]), 50 * np.asarray(base[k]),
+                               rtol=4 * 2 ** -24, atol=0)
+  assert_equal(by_tree_set, by_attr)
+
+
+def test_multisteps_counters_and_acc_grads():
+  """MultiSteps(adam, 3): gradient_step and mini_step as optax counts them;
+  acc_grads as zero1 holds it (each leaf padded on its shard dim, zeros,
+  sharded over the data axis), said once with where optax's shapes are."""
+  opt = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3)
+  tx = z1.zero1(opt.gradient_transformation(), axis_name="data")
+  t = opt.init(PARAMS)
+  zstate._SAID.discard("acc_grads")
+  with jax.set_mesh(mesh(N)):
+    s = tx.init(PARAMS)
+    for _ in range(4):
+      _, s = _step(tx, s)
+      _, t = opt.update(GRADS, t, PARAMS)
+      assert int(s.gradient_step) == int(t.gradient_step)
+      assert int(s.mini_step) == int(t.mini_step)
+    assert (int(s.gradient_step), int(s.mini_step)) == (1, 1)
+    with pytest.warns(UserWarning, match=r"opt_state.acc_grads reads the inner "
+                      r"optimizer's state as zero1 holds it: .*padded.*"
+                      r"z1.inner_state\(tx, opt_state, params\).acc_grads"):
+      acc = s.acc_grads
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")   # once per name; scalars never
+      s.acc_grads, s.gradient_step
+    whole = z1.inner_state(tx, s, PARAMS).acc_grads
+  assert acc["w"].shape == (8, 3) and acc["b"].shape == (8,)
+  for k in PARAMS:
+    want = np.asarray(t.acc_grads[k])
+    np.testing.assert_allclose(np.asarray(whole[k]), want, rtol=2 ** -20)
+    np.testing.assert_array_equal(np.asarray(acc[k])[:want.shape[0]],
+                                  np.asarray(whole[k]))
+    assert not np.any(np.asarray(acc[k])[want.shape[0]:])   # the padding
+
+
+def test_a_name_neither_has_says_where_to_look():
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+  with jax.set_mesh(mesh(N)):
+    s = tx.init(PARAMS)
+  with pytest.raises(AttributeError, match=r"'Zero1State' object has no "
+                     r"attribute 'hyperparams', nor has its inner optimizer's "
+                     r"state \(tuple\)"):
+    s.hyperparams
+
+
+def test_train_state_reads_and_sets_the_learning_rate():
+  """flax.training TrainState around zero1 in plain jit (its
+  apply_gradients calls tx.update): the rate read, set, and used."""
+  tx = z1.zero1(inject(), axis_name="data")
+  step = jax.jit(lambda st: st.apply_gradients(grads=GRADS))
+  with jax.set_mesh(mesh(N)):
+    st = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+    assert float(st.opt_state.hyperparams["learning_rate"]) == pytest.approx(1e-2)
+    st = step(st)
+    lr = st.opt_state.hyperparams["learning_rate"]
+    assert float(lr) == pytest.approx(1e-2)
+    slow = step(st)
+    st.opt_state.hyperparams["learning_rate"] = jnp.asarray(0.5)
+    fast = step(st)
+    assert float(fast.opt_state.hyperparams["learning_rate"]) == 0.5
+    st2 = st.replace(opt_state=optax.tree_utils.tree_set(
+        st.opt_state, learning_rate=jnp.asarray(0.5)))
+    assert_equal(step(st2).params, fast.params)
+  for k in PARAMS:   # adam's step x 50 (see the plain-jit test)
+    np.testing.assert_allclose(
+        np.asarray(fast.params[k] - st.params[k]),
+        50 * np.asarray(slow.params[k] - st.params[k]), rtol=1e-5, atol=1e-7)
+
+
+class Lin(nnx.Module):
+  def __init__(self, rngs):
+    self.l = nnx.Linear(5, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l(x)
+
+
+def test_nnx_optimizer_reads_and_sets_the_learning_rate():
+  """nnx.Optimizer holds the state in Variables: the rate is read and set
+  through them (``[...]``), as nnx's docs do, and takes effect."""
+  loss = lambda m: jnp.sum(m(jnp.ones((2, 5))) ** 2)
+
+  @nnx.jit
+  def step(model, opt):
+    opt.update(model, nnx.grad(loss)(model))
+
+  def kernel_step(lr):
+    with jax.set_mesh(mesh(N)):
+      model = Lin(nnx.Rngs(0))
+      opt = nnx.Optimizer(model, z1.zero1(inject(), axis_name="data"),
+                          wrt=nnx.Param)
+      assert float(opt.opt_state.hyperparams["learning_rate"][...]) == \
+          pytest.approx(1e-2)
+      if lr is not None:
+        opt.opt_state.hyperparams["learning_rate"][...] = lr
+      before = np.asarray(model.l.kernel[...])
+      step(model, opt)
+      assert float(optax.tree_utils.tree_get(
+          opt.opt_state, "learning_rate")[...]) == pytest.approx(lr or 1e-2)
+      return np.asarray(model.l.kernel[...]) - before
+  slow, fast = kernel_step(None), kernel_step(jnp.asarray(0.5))
+  np.testing.assert_allclose(fast, 50 * slow, rtol=1e-5, atol=1e-7)
