@@ -15,7 +15,7 @@ Example:
   >>> params = gpt.init_params(cfg, jax.random.key(0))
   >>> loss = gpt.make_loss_fn(cfg)(params, {"input_ids": jnp.zeros((2, 16), jnp.int32)})
   >>> loss.dtype, gpt.num_params(params)
-  (dtype('float32'), 21504)
+  (dtype('float32'), 21600)
 """
 from __future__ import annotations
 
