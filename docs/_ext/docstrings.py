@@ -18,9 +18,9 @@ only, the docstrings of the objects the API page renders (the ``:::`` lines of
 - ``Returns:`` whose first line is prose with a colon keeps it as prose
   (griffe would show the words before the colon as the returned type), and
   ````(params, state)````: loses backticks that would show inside that type.
-- ``Example::`` and ``Example:`` followed by an indented block become a fenced
-  ``python`` block (doctest ``>>>`` blocks become griffe's Examples section,
-  which renders them as highlighted console code).
+- ``Example::`` followed by an indented block becomes a fenced ``python``
+  block, and a doctest (``>>>``) after ``Example:`` or ``Example::`` griffe's
+  Examples section, which renders it as highlighted console code.
 
 mkdocs.yml loads it: ``extensions: [docs/_ext/docstrings.py: {api_page: ...}]``.
 """
@@ -33,14 +33,18 @@ import re
 from pathlib import Path
 from typing import Any
 
-import griffe
+try:
+  import griffe
+  _Extension = griffe.Extension
+except ImportError:   # tests import the text functions without the docs tools
+  griffe, _Extension = None, object
 
 # mkdocs counts warnings of loggers under "mkdocs"; --strict fails on them
 _log = logging.getLogger("mkdocs.plugins.zero1_jax_docstrings")
 
 ROLE = re.compile(r":(?:py:)?(func|meth|class|mod|data|attr|obj|exc|const)"
                   r":`(?P<body>[^`]+)`")
-EXAMPLE = re.compile(r"^(?P<indent>[ \t]*)Examples?::?[ \t]*$")
+EXAMPLE = re.compile(r"^(?P<indent>[ \t]*)Examples?(?P<colons>::?)[ \t]*$")
 # names of other projects: shown as code, never looked up
 EXTERNAL = ("jax", "jnp", "optax", "flax", "nnx", "nn", "orbax", "numpy",
             "np", "deepspeed", "torch", "equinox", "eqx", "logging", "os",
@@ -69,9 +73,10 @@ def role_to_markdown(body: str, resolve) -> str:
 
 
 def fence_examples(text: str) -> str:
-  """``Example::`` / ``Example:`` + an indented block -> a Google ``Example:``
-  section holding a fenced python block; a doctest (``>>>``) block -> an
-  ``Examples:`` section (griffe renders its ``>>>`` lines as code)."""
+  """``Example::`` + an indented block (reST's literal block) -> a Google
+  ``Example:`` section holding a fenced python block; ``Example:`` or
+  ``Example::`` + a doctest (``>>>``) -> an ``Examples:`` section (griffe
+  renders its ``>>>`` lines as code); ``Example:`` + prose stays."""
   lines = text.split("\n")
   out, i = [], 0
   while i < len(lines):
@@ -101,6 +106,8 @@ def fence_examples(text: str) -> str:
     if code[0].lstrip().startswith(">>>"):
       out.append(" " * indent + "Examples:")
       out.extend(pad + l if l.strip() else "" for l in code)
+    elif m["colons"] == ":":        # a Google section of prose: as it is
+      out.extend(lines[i:block_start + len(block)])
     else:
       out.append(" " * indent + "Example:")
       out.extend([pad + "```python"] + [pad + l if l.strip() else "" for l in code]
@@ -148,7 +155,7 @@ def _api_roots(page: Path) -> list[str]:
   return re.findall(r"^:::\s*([\w.]+)", page.read_text(encoding="utf-8"), re.M)
 
 
-class Docstrings(griffe.Extension):
+class Docstrings(_Extension):
   """Rewrites the rendered objects' docstrings once the package is loaded."""
 
   def __init__(self, api_page: str = "docs/api.md") -> None:
