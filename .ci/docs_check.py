@@ -48,11 +48,12 @@ from pathlib import Path
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 # Chromium as root in a container, no GPU, nothing started in the background;
-# QUIC off so that every request is HTTP the proxy sees. Two services ignore
-# those switches (Chromium 156 fetched the on-device-model manifest
-# "on demand" past --disable-component-update, and asked accounts.google.com
-# for the signed-in accounts): their servers are set to 127.0.0.1's port 9,
-# where nothing listens.
+# QUIC off so that every request is HTTP the proxy sees. Three services ignore
+# those switches (Chromium 156 fetched the on-device-model manifest "on
+# demand" past --disable-component-update, asked accounts.google.com for the
+# signed-in accounts, and, with the Google API keys Debian's launcher reads
+# from /etc/chromium.d, content-autofill.googleapis.com): their servers are
+# set to 127.0.0.1's port 9, where nothing listens.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync",
@@ -63,7 +64,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 WIDTHS = {"desktop": (1280, 900), "phone": (390, 844)}
 SCREENSHOTS = {"home": "index.html", "forms": "forms/index.html",
                "api": "api/index.html"}
-# a full-page screenshot of the API page is ~40,000 px tall: its top
+# the API page is tens of thousands of px tall: its top 7000 px
 MAX_SHOT_HEIGHT = 7000
 
 
