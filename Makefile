@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-slow test-optax test-all test-newest newest-py demo bench clean tolerances docs dist
+.PHONY: venv test test-slow test-optax test-all test-newest newest-py demo bench clean tolerances docs docs-check dist
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -76,13 +76,21 @@ bench: venv
 
 # The docs site from docs/ into site/: warnings, broken links and anchors are
 # errors. Its tools (the docs extra) go into the same venv, on first use only,
-# so `make venv` stays as fast as it was.
+# so `make venv` stays as fast as it was. NO_MKDOCS_2_WARNING: Material's
+# banner about its end of life (pyproject.toml's docs extra says why it is
+# used), printed on every build.
 $(BIN)/.docs-installed: $(BIN)/.installed
 	$(BIN)/pip install -q -e ".[docs]"
 	touch $@
 
 docs: $(BIN)/.docs-installed
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The built site in headless Chromium (Debian's, .ci/install-chromium.sh):
+# overflow, highlighted code, cross-references, no request leaving the
+# machine; screenshots of the home, forms and API pages in site/_screenshots/.
+docs-check: docs
+	$(BIN)/python .ci/docs_check.py --site site
 
 # A release: wheel + sdist into dist/, metadata checked (twine), contents
 # checked (.ci/check_dist.py), then the wheel installed into a fresh venv

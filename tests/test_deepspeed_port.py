@@ -4,6 +4,8 @@ it in a new process, and continue exactly where the uninterrupted run went."""
 
 import importlib.util
 import json
+import logging
+import math
 import os
 import pathlib
 import subprocess
@@ -40,6 +42,30 @@ def test_auto_values_are_filled_from_the_flags_as_the_hf_trainer_does():
   assert resolved.train_batch_size == 8 * 2 * 4
 
 
+def test_prints_decimal_losses_and_deepspeeds_memory_lines(tmp_path, capsys,
+                                                           caplog):
+  """What a user reads: the losses as decimals (``2.3656...``, not
+  float.hex's ``0x1.2ecd7a0000000p+1``), each the shortest one that reads
+  back as the same float, and first, as DeepSpeed prints them, the optimizer
+  state's memory before and after sharding, once (in-process: this
+  session's 8 devices)."""
+  mod = _load()
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    assert mod.main(["--deepspeed", str(PORT / "ds_config.json"),
+                     "--per_device_train_batch_size", "2", "--max_steps", "2",
+                     "--output_dir", str(tmp_path / "out")]) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+  assert len(lines) == 2, lines
+  for line in lines:
+    loss = json.loads(line)["loss"]
+    assert type(loss) is float and math.isfinite(loss), line
+    assert f'"loss": {loss!r},' in line and "0x" not in line, line
+  msgs = [r.getMessage() for r in caplog.records]
+  assert sum("[Rank 0] Before: optimizer state" in m for m in msgs) == 1, msgs
+  assert sum("[Rank 0] After : optimizer state" in m and m.endswith("(1/8)")
+             for m in msgs) == 1, msgs
+
+
 def _train(out, *flags) -> list[dict]:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(ROOT)
@@ -67,9 +93,10 @@ def test_resumed_run_continues_bitwise(tmp_path):
   whole = _train(tmp_path / "whole", "--save_steps", "6")
   assert [l["step"] for l in whole] == list(range(1, 13))
   assert not any(l["skipped"] for l in whole)   # fp16 at 2^12: no overflow
-  assert float.fromhex(whole[-1]["loss"]) < float.fromhex(whole[0]["loss"])
+  assert whole[-1]["loss"] < whole[0]["loss"]
   step6 = tmp_path / "whole" / "checkpoints" / "6"
   assert step6.is_dir()
   resumed = _train(tmp_path / "resumed", "--resume_from_checkpoint", str(step6))
   assert [l["step"] for l in resumed] == list(range(7, 13))
-  assert resumed == whole[6:]      # loss (as float.hex), lr, skipped: equal
+  # loss (a decimal that reads back as the same float), lr, skipped: equal
+  assert resumed == whole[6:]

@@ -55,6 +55,22 @@ def test_docs_block_runs(page, index, tmp_path, monkeypatch, capsys):
   assert capsys.readouterr().out.strip(), f"{page} block {index} prints nothing"
 
 
+def test_home_page_quickstart_prints_what_the_page_says(tmp_path, monkeypatch,
+                                                      capsys):
+  """index.md's TrainState script: the loss falls well below what a model
+  that learned nothing scores (y = sum of 16 sin(x), variance ~6.9), and the
+  state line is the one the text under the block quotes, byte for byte."""
+  _exec(_find("index.md", "TrainState.create"), "docs/index.md", tmp_path,
+        monkeypatch)
+  out = capsys.readouterr().out.strip()
+  m = re.fullmatch(r"loss ([0-9.]+); (Adam state on device 0: .* \(1/8\))", out)
+  assert m, out
+  assert float(m[1]) < 1.0, out
+  quoted = re.search(r"It prints the loss and `([^`]+)`",
+                     (DOCS / "index.md").read_text())
+  assert quoted and quoted[1] == m[2], (quoted and quoted[1], m[2])
+
+
 def test_plain_jit_block_plain_vs_reduced_collectives(tmp_path, monkeypatch, capsys):
   """forms.md's plain-jit block (flax TrainState, plain and reduced params):
   both train, and the reduced run's step has no full-size all-reduce."""

@@ -10,8 +10,9 @@ import optax
 import pytest
 
 import zero1_jax as z1
-from zero1_jax import checkpoint
+from zero1_jax import checkpoint, distributed
 from zero1_jax.deepspeed import engine as zengine
+from zero1_jax.deepspeed import memory_log
 from zero1_jax.deepspeed.config import ConfigError
 from helpers import (SEED_CONFIG, assert_close, batch, deepspeed_clip,
                      float_part, loss_fn, mesh, odd_params)
@@ -270,6 +271,37 @@ def test_steps_per_print_logs_deepspeeds_step_line(caplog):
   with caplog.at_level(logging.INFO, logger="zero1_jax"):
     e.train_batch(batch(16, seed=9))
   assert "step=" not in caplog.text
+
+
+def test_initialize_logs_deepspeeds_memory_lines_once_on_process_0(
+    caplog, monkeypatch):
+  """DeepSpeed's ZeRO optimizer reports the optimizer state's memory once, on
+  rank 0, as it builds the state; a script's z1.initialize said nothing
+  (only zero1-train printed the lines). The numbers are the engine's own
+  measurement (memory_report): the global arrays' bytes and rank 0's."""
+  params = float_part(odd_params())
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    e = z1.initialize(fp32_config(), loss_fn=loss_fn, params=params,
+                      mesh=mesh(4))
+  lines = [r.getMessage() for r in caplog.records
+           if r.name == memory_log.__name__]
+  r, gib = e.memory_report(), 1024 ** 3
+  assert lines == [
+      "[Rank 0] Zero Stage 1: optimizer state partitioned",
+      f"[Rank 0] Before: optimizer state {r['replicated_bytes'] / gib:.4g} "
+      f"GiB per device",
+      f"[Rank 0] After : optimizer state {r['sharded_bytes'] / gib:.4g} GiB "
+      f"per device (1/4)",
+      "[Rank 0] AllGather bucket size: 500000000",
+      "[Rank 1-3] the same as Rank 0"], lines
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    with memory_log.quiet():     # zero1-train prints its own
+      z1.initialize(fp32_config(), loss_fn=loss_fn, params=params, mesh=mesh(4))
+    # process 1 of a job (its lines would name its own ranks): silent
+    monkeypatch.setattr(distributed, "is_main_process", lambda: False)
+    memory_log.log(e)
+  assert not [r for r in caplog.records if r.name == memory_log.__name__]
 
 
 def test_a_key_not_honoured_warns_at_the_callers_line():

@@ -74,58 +74,30 @@ def data_mesh(jax, num_devices: int | None, axis: str = "data"):
   return jax.make_mesh((n,), (axis,), devices=devices[:n])
 
 
-def log_memory(engine, cfg, estimate=None) -> dict:
-  """The seed's per-rank lines, measured from the live sharded arrays: each
-  process prints them for the first rank (device) it holds, and for any
-  other whose bytes differ; the rest are one line ("same as"), not N
-  identical blocks. ``estimate``: the ``(MemoryEstimate, capacity, source)``
-  of cli/memory.py, printed beside."""
+def log_memory(engine, estimate=None) -> dict:
+  """DeepSpeed's per-rank optimizer-memory lines (deepspeed/memory_log.py),
+  printed by each process for the ranks it holds. ``estimate``: the
+  ``(MemoryEstimate, capacity, source)`` of cli/memory.py, printed beside."""
   import jax
 
-  from zero1_jax import inspect
-  from zero1_jax.deepspeed import engine as zengine
-  state = (engine.opt_state.master, engine.opt_state.inner)
-  n = engine.mesh.shape[engine.axis_name]
-  before = sum(x.nbytes for x in jax.tree.leaves(state))
-  per_rank, same = {}, []
-  for r, d in enumerate(engine.mesh.devices.flat):
-    if d.process_index != jax.process_index():
-      continue
-    per_rank[r] = inspect.device_bytes(state, d)
-    first = next(iter(per_rank))
-    if r != first and per_rank[r] == per_rank[first]:
-      same.append(r)
-      continue
-    stage = zengine.run_stage(cfg)
-    what = ("optimizer state and gradients" if stage == 2
-            else "optimizer state")
-    print(f"[Rank {r}] Zero Stage {stage}: {what} partitioned")
-    unit = "GPU" if d.platform == "gpu" else "device"   # the seed's "per GPU"
-    print(f"[Rank {r}] Before: optimizer state {before / _GiB:.4g} GiB per {unit}")
-    host = inspect.device_bytes(state, d, memory_kind="pinned_host")
-    if host:   # offload_optimizer: the sharded state lives in host memory
-      print(f"[Rank {r}] After : optimizer state {per_rank[r] - host} bytes "
-            f"(counts, scalars) on the {unit}, {host / _GiB:.4g} GiB in pinned "
-            f"host memory for it (offload_optimizer: cpu; 1/{n})")
-    else:
-      print(f"[Rank {r}] After : optimizer state {per_rank[r] / _GiB:.4g} GiB per "
-            f"{unit} (1/{n})")
-    if estimate is not None:
-      est, cap, _ = estimate
-      print(f"[Rank {r}] Estimate: step needs ~{gib(est.per_device)} per {unit} "
+  from zero1_jax.deepspeed import memory_log
+
+  def estimate_line(r: int, unit: str) -> list[str]:
+    if estimate is None:
+      return []
+    est, cap, _ = estimate
+    return [f"[Rank {r}] Estimate: step needs ~{gib(est.per_device)} per {unit} "
             f"(params {gib(est.params)}, grads {gib(est.grads)}, optimizer "
             f"state {gib(est.state)}, activations {gib(est.activations)}) of "
-            f"{gib(cap)}")
-    print(f"[Rank {r}] AllGather bucket size: "
-          f"{int(cfg.zero.allgather_bucket_size)}", flush=True)
-  if same:
-    ranks = (f"{same[0]}-{same[-1]}" if len(same) > 1 and
-             same == list(range(same[0], same[-1] + 1))
-             else ", ".join(map(str, same)))
-    print(f"[Rank {ranks}] the same as Rank {next(iter(per_rank))}", flush=True)
-  return {"replicated_bytes": before, "ranks": list(per_rank),
-          "zero1_bytes_per_rank": list(per_rank.values()), "num_devices": n,
-          "stage": zengine.run_stage(cfg),
+            f"{gib(cap)}"]
+
+  mem = memory_log.memory_lines(engine, extra=estimate_line)
+  for line in mem.lines:
+    print(line, flush=True)
+  return {"replicated_bytes": mem.replicated, "ranks": list(mem.per_rank),
+          "zero1_bytes_per_rank": list(mem.per_rank.values()),
+          "num_devices": engine.mesh.shape[engine.axis_name],
+          "stage": mem.stage,
           # fp32 params are their own master: the state holds no copy
           "fp32_params": all(x.dtype == jax.numpy.float32
                              for x in jax.tree.leaves(engine.params)

@@ -150,7 +150,10 @@ def _setup(args):
   params = init(jax.random.key(args.seed))
   batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
                             cfg.train_batch_size, seed=args.seed)
-  with warnings.catch_warnings():   # a lone CPU: _one_cpu_device_note says it
+  from zero1_jax.deepspeed import memory_log
+  # a lone CPU: _one_cpu_device_note says it; the memory lines: run() prints
+  # them on every process, with the estimate
+  with warnings.catch_warnings(), memory_log.quiet():
     warnings.simplefilter("ignore", one_device.OneDeviceWarning)
     engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
   engine.steps_per_print = None     # _train prints its own step lines
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace) -> dict | None:
                                  resume=args.resume)
   engine, batches, main_process, resume, est = _setup(args)
   cfg = engine.config
-  mem = common.log_memory(engine, cfg, est)   # every process: its own ranks
+  mem = common.log_memory(engine, est)   # every process: its own ranks
   ckpt_dir = os.path.join(args.output_dir, "checkpoints")
   if resume:
     _resume(engine, args, ckpt_dir, main_process)

@@ -28,6 +28,7 @@ from zero1_jax.deepspeed import config as zconfig
 from zero1_jax import checkpoint, distributed, inspect
 from zero1_jax.deepspeed import ds_names
 from zero1_jax.deepspeed import log as ds_log
+from zero1_jax.deepspeed import memory_log
 from zero1_jax.deepspeed import monitor as ds_monitor
 from zero1_jax.deepspeed import optim as ds_optim
 from zero1_jax.deepspeed import resume
@@ -379,6 +380,9 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig
                **deepspeed_kwargs: Any) -> Engine:
   """DeepSpeed's ``deepspeed.initialize`` for a JAX loss function.
 
+  Logs DeepSpeed's optimizer-memory lines once, on process 0 (the state's
+  bytes replicated and per device; :mod:`zero1_jax.deepspeed.memory_log`).
+
   Args:
     config: a DeepSpeed JSON path, dict, or loaded config.
     loss_fn: ``loss_fn(params, batch) -> mean loss`` over a micro-batch (or
@@ -425,4 +429,7 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig
     cfg = config
   else:
     cfg = zconfig.load_config(config, world_size=world)
-  return Engine(cfg, loss_fn, params, mesh, axis_name=axis_name, has_aux=has_aux)
+  engine = Engine(cfg, loss_fn, params, mesh, axis_name=axis_name,
+                  has_aux=has_aux)
+  memory_log.log(engine)   # DeepSpeed's Before/After lines, process 0
+  return engine

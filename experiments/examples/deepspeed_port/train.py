@@ -12,9 +12,10 @@ differences from the PyTorch original.
     --per_device_train_batch_size 8 --learning_rate 3e-3 --max_steps 40 \
     --save_steps 20 --output_dir /tmp/port_run
 
-Each step prints one JSON line ``{"step": ..., "loss": ..., ...}``; the loss
-is printed exactly (``float.hex``) so that a resumed run can be compared
-with an uninterrupted one bit for bit.
+Each step prints one JSON line ``{"step": ..., "loss": 2.3702..., ...}``: the
+loss as Python's shortest decimal that reads back as the same float, so a
+resumed run can be compared with an uninterrupted one bit for bit.
+``z1.initialize`` logs DeepSpeed's optimizer-memory lines first (stderr).
 """
 
 import argparse
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     while engine.global_steps < args.max_steps:
       batch = batch_at(engine.global_steps, engine.train_batch_size)
       metrics = engine.train_batch(batch)
-      line = {"step": engine.global_steps, "loss": float(metrics["loss"]).hex(),
+      line = {"step": engine.global_steps, "loss": float(metrics["loss"]),
               "skipped": bool(metrics["skipped"]), "lr": engine.get_lr()[0]}
       print(json.dumps(line), flush=True)
       log.write(json.dumps(line) + "\n")
