@@ -223,6 +223,25 @@ def table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def scaling(rows: list[dict]) -> str:
+  """Markdown: the step at each GPU count, one row per (model, dtype, form),
+  with its ratio to DDP's step there."""
+  gpus = sorted({r["gpus"] for r in rows})
+  out = ["| model, params | form | " + " | ".join(f"{g} GPUs" for g in gpus) + " |",
+         "|---|---|" + "---|" * len(gpus)]
+  by = {(r["model"], r["dtype"], r["form"], r["gpus"]): r for r in rows}
+  for m, dt in sorted({(r["model"], r["dtype"]) for r in rows}):
+    for f in FORMS:
+      cells = []
+      for g in gpus:
+        r, d = by.get((m, dt, f, g)), by.get((m, dt, "ddp", g))
+        cells.append("" if r is None else f"{r['step_us']:,.0f}" + (
+            f" ({r['step_us'] / d['step_us']:.2f})" if d and f != "ddp" else ""))
+      if any(cells):
+        out.append(f"| {m}, {dt} | {f} | " + " | ".join(cells) + " |")
+  return "\n".join(out)
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--models", default="bert-base,gpt2")
@@ -231,12 +250,19 @@ def main(argv=None) -> None:
   ap.add_argument("--forms", default=",".join(FORMS))
   ap.add_argument("--gpu", default="h100", choices=sorted(gpu.GPUS))
   ap.add_argument("--out", default=None, help="directory for gpu_aot.json / .md")
+  ap.add_argument("--tables", nargs="*", default=None,
+                  help="only write the tables of these gpu_aot.json files (merged)")
   a = ap.parse_args(argv)
   rows = []
-  for m in a.models.split(","):
-    for dt in a.dtypes.split(","):
-      for g in map(int, a.gpus.split(",")):
-        for f in a.forms.split(","):
+  if a.tables is not None:
+    for path in a.tables:
+      with open(path) as f:
+        rows += json.load(f)
+    a.models = a.dtypes = a.gpus = a.forms = ""
+  for m in filter(None, a.models.split(",")):
+    for dt in filter(None, a.dtypes.split(",")):
+      for g in map(int, filter(None, a.gpus.split(","))):
+        for f in filter(None, a.forms.split(",")):
           if not applicable(f, dt):
             continue
           r = measure(f, m, dt, g, a.gpu)
@@ -244,7 +270,10 @@ def main(argv=None) -> None:
           print(f"{m:10} {dt} {g:3} GPUs {f:13} step {r['step_us']:9,.0f} µs  exposed "
                 f"{r['exposed_us']:7,.0f}  peak {r['peak_bytes'] / 2 ** 30:6.2f} GiB  "
                 f"(compiled in {r['compile_s']:.0f} s)", flush=True)
-  md = table(rows)
+  md = table([r for r in rows if r["gpus"] == 8])
+  if len({r["gpus"] for r in rows}) > 1:
+    md += ("\n\n**Step (µs) at 8 to 64 H100s, 8 a host** (XLA's cost model; in "
+           "brackets: / DDP's step)\n\n" + scaling(rows))
   print(md)
   if a.out:
     os.makedirs(a.out, exist_ok=True)
