@@ -56,9 +56,11 @@ MUTANTS = [
     Mutant(
         "loss_scale_not_divided_out",
         "gradients are divided by N but never by the loss scale",
-        "zero1_jax/core/transform.py",
-        "denom = (scale * (n if grads_are == jm.LOCAL else 1)).astype(jnp.float32)",
-        "denom = jnp.asarray(n if grads_are == jm.LOCAL else 1, jnp.float32)",
+        "zero1_jax/core/apply.py",
+        "denom = (scale * (layout.num_shards if grads_are == LOCAL else 1)\n"
+        "           ).astype(jnp.float32)",
+        "denom = jnp.asarray(layout.num_shards if grads_are == LOCAL else 1,\n"
+        "                    jnp.float32)",
         ("tests/test_precision.py",)),
     Mutant(
         "reduce_scatter_wrong_shard",
@@ -77,10 +79,10 @@ MUTANTS = [
     Mutant(
         "overflow_step_not_skipped",
         "an overflowing fp16 step still updates master and moments",
-        "zero1_jax/core/transform.py",
-        "        new_view = keep(view, new_view)\n"
-        "        new_inner = keep(inner_state, new_inner)\n",
-        "        pass\n",
+        "zero1_jax/core/inner_update.py",
+        "    new_view = keep(view, new_view)\n"
+        "    new_inner = keep(inner_state, new_inner)\n",
+        "    pass\n",
         ("tests/test_precision.py",)),
     Mutant(
         "accumulation_not_averaged",
@@ -92,23 +94,23 @@ MUTANTS = [
     Mutant(
         "clip_coefficient_inverted",
         "clip_by_global_norm scales by 1/(norm * c) instead of c/norm",
-        "zero1_jax/core/transform.py",
+        "zero1_jax/core/grad_norm.py",
         "denom * (g_norm / jnp.float32(cfg.max_grad_norm)))",
         "denom * (g_norm * jnp.float32(cfg.max_grad_norm)))",
         ("tests/test_step.py", "-k", "clip")),
     Mutant(
         "deepspeed_clip_without_epsilon",
         "DeepSpeed's clip rule loses its + 1e-6 (becomes optax's)",
-        "zero1_jax/core/transform.py",
+        "zero1_jax/core/grad_norm.py",
         "(g_norm + jnp.float32(1e-6))",
         "g_norm",
         ("tests/test_step.py", "-k", "clip")),
     Mutant(
         "gather_sends_stale_shard",
         "the all-gather sends the pre-update master shard",
-        "zero1_jax/core/transform.py",
-        "out = [(pairs[i][1] if i in own_u else m).astype(p.dtype)",
-        "out = [(pairs[i][1] if i in own_u else view[i]).astype(p.dtype)",
+        "zero1_jax/core/inner_update.py",
+        "  return pairs, Zero1State(",
+        "  return [(v, u) for v, (_, u) in zip(view, pairs)], Zero1State(",
         ("tests/test_equivalence.py", "-k", "bitwise")),
     Mutant(
         "in_place_reduce_on_wrong_dim",

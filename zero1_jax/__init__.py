@@ -22,7 +22,7 @@ _SOURCES = {
     "specs": "zero1_jax.core.specs",
     "inner_state": "zero1_jax.core.inner_state",
     "from_optax_state": "zero1_jax.core.inner_state",
-    "reduced_params": "zero1_jax.core.jit_mode",
+    "reduced_params": "zero1_jax.core.reduced",
     "Layout": "zero1_jax.core.layout", "plan": "zero1_jax.core.layout",
     **dict.fromkeys(("DynamicLossScale", "LossScaleState", "NoLossScale",
                      "StaticLossScale"), "zero1_jax.core.precision"),
@@ -62,7 +62,7 @@ if TYPE_CHECKING:   # what the names are, for type checkers and IDEs
   from zero1_jax.core import specs
   from zero1_jax.core.inflight import bounded
   from zero1_jax.core.inner_state import from_optax_state, inner_state
-  from zero1_jax.core.jit_mode import reduced_params
+  from zero1_jax.core.reduced import reduced_params
   from zero1_jax.core.layout import Layout, plan
   from zero1_jax.core.precision import (DynamicLossScale, LossScaleState,
                                         NoLossScale, StaticLossScale)

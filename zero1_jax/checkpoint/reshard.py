@@ -29,7 +29,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 from zero1_jax.core import layout as lay
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import step as zstep
-from zero1_jax.core.transform import Zero1State, master_tree
+from zero1_jax.core.state import Zero1State, master_tree
 
 FORMAT = "zero1_jax.checkpoint/1"
 

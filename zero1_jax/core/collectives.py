@@ -29,6 +29,30 @@ REDUCE_KEY = "zero1-reduce-{}"   # XLA combiner_key of a reduce bucket group
 GATHER_KEY = "zero1-gather-{}"
 
 
+def axis_bound(axis_name: str) -> bool:
+  """Whether ``axis_name`` is bound here: inside a shard_map over it, where
+  zero1's update runs per device; elsewhere (plain ``jax.jit`` or eager
+  code) :mod:`.jit_mode` builds that shard_map."""
+  try:
+    jax.lax.axis_size(axis_name)
+    return True
+  except NameError:
+    return False
+
+
+def axis_size(axis_name: str) -> int:
+  """N, the size of the bound data axis; ValueError naming the fix when it
+  is not bound."""
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"zero1: axis '{axis_name}' is not bound. tx.init / tx.update must "
+        f"run inside shard_map over a mesh with axis '{axis_name}' (use "
+        f"z1.init(tx, params, mesh) and z1.train_step, or pass "
+        f"axis_name=<your data axis> to zero1).") from e
+
+
 def rank_major(x: jax.Array, spec: LeafSpec, n: int) -> jax.Array:
   """Full leaf -> ``(n, shard_size)``; row ``r`` is device ``r``'s shard."""
   d = spec.dim

@@ -45,6 +45,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zero1_jax.core import empty_leaves
+from zero1_jax.core import jit_mesh
 from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import layout as lay
 from zero1_jax.core import order as ordering
@@ -104,7 +105,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     # What jax.value_and_grad takes besides arrays (an Equinox model's
     # static part) is closed over; the shard_map takes the arrays.
     args, rebuild = closed_over.split_static(args)
-    mesh, where = jm.find_mesh(axis, params, *args, fallback=cfg.mesh)
+    mesh, where = jit_mesh.find_mesh(axis, params, *args, fallback=cfg.mesh)
     n = where.shape[axis]
     if pax.resolve(params, dict(where.shape), axis, cfg.param_specs) is not None:
       raise ValueError(jm.SHARDED_2D)

@@ -4,18 +4,21 @@ Inside a ``shard_map`` over the data axis (``z1.train_step``, a user's own
 step), :func:`zero1_jax.zero1`'s ``init`` and ``update`` run per device on
 local gradients. Called anywhere else (eagerly or under ``jax.jit``, as
 flax's ``TrainState`` and ``nnx.Optimizer`` call them), they land here: the
-mesh is taken from ``jax.set_mesh`` or from the arrays' ``NamedSharding``, and
-the same per-device code runs inside a ``jax.shard_map`` that this module
-builds. ``init`` returns the state sharded over the data axis exactly as
+mesh with ``tx.config.axis_name`` is found (:mod:`.jit_mesh`: from
+``jax.set_mesh``, the arrays' ``NamedSharding`` or ``zero1(mesh=)``), and
+the same per-device code (``tx.init_from``, ``tx.apply``) runs inside a
+``jax.shard_map`` over it that this module builds, which binds the axis.
+``init`` returns the state sharded over the data axis exactly as
 :func:`zero1_jax.init` does (:func:`zero1_jax.core.specs.state_specs`).
 
-What ``update`` receives from ``jax.grad`` under jit decides the reduce:
+What ``update`` receives from ``jax.grad`` under jit decides the reduce
+(:mod:`.grad_reduce`'s modes; :func:`.reduced.grads_mode` tells them apart):
 
 * plain (replicated) params: the gradient of the global-mean loss, already
   reduced over the data axis by jit's partitioner (XLA:CPU: a full-size
   all-reduce, then each device slices its shard). Mode ``REDUCED``: each
   device takes its shard, no collective, no division by N.
-* params placed by :func:`reduced_params` (``P(..., reduced={axis})``):
+* params placed by :func:`.reduced.reduced_params` (``P(..., reduced={axis})``):
   ``jax.grad`` returns gradients typed *unreduced* over the axis, partial sums
   whose total is the gradient of the global-mean loss. Mode ``PARTIAL``: one
   ``psum_scatter`` per bucket sums them straight into each device's shard (no
@@ -42,206 +45,23 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from zero1_jax.core import boxes
-from zero1_jax.core import collectives as col
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
+from zero1_jax.core import jit_mesh
 from zero1_jax.core import layout as lay
 from zero1_jax.core import offload as ofl
 from zero1_jax.core import one_device
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import placement
 from zero1_jax.core import platform as platforms
-from zero1_jax.core import specs as zspecs
+from zero1_jax.core import reduced
 from zero1_jax.core import sharded_grads
+from zero1_jax.core import specs as zspecs
+from zero1_jax.core.grad_reduce import PARTIAL, SHARDS
 from zero1_jax.core.sharded_grads import ShardedGrads
-
-LOCAL = "local"        # this device's own gradient inside shard_map: sum, then / N
-PARTIAL = "partial"    # jit's unreduced pieces: they sum to the gradient
-REDUCED = "reduced"    # jit's reduced gradient: already whole on every device
-SHARDS = "shards"      # z1.value_and_grad's ShardedGrads: summed shards, then / N
-
-
-def axis_bound(axis: str) -> bool:
-  """Whether ``axis`` is bound here (we are inside shard_map over it)."""
-  try:
-    jax.lax.axis_size(axis)
-    return True
-  except NameError:
-    return False
-
-
-def _no_mesh(axis: str, why: str) -> ValueError:
-  return ValueError(
-      f"zero1: axis '{axis}' is not bound and {why}. tx.init / tx.update run "
-      f"either inside shard_map over '{axis}' (z1.init / z1.train_step, or "
-      f"your own jax.shard_map), or in plain jax.jit code under a mesh with "
-      f"that axis: `with jax.set_mesh(jax.make_mesh((n,), ('{axis}',))):`, or "
-      f"with params placed on one (jax.device_put(params, "
-      f"NamedSharding(mesh, P()))), or with the mesh passed to "
-      f"zero1(..., mesh=mesh) (e.g. for jax.eval_shape(init) before "
-      f"jax.set_mesh).")
-
-
-NO_MESH_AT_INIT = (
-    "zero1: tx.init found no mesh with axis '{axis}': no jax.set_mesh "
-    "context, and nothing passed to it is placed on one (e.g. the optimizer "
-    "is initialised before the model is sharded, as in Equinox's "
-    "parallelism example). Pass the mesh to the optimizer: "
-    "zero1(..., mesh=mesh), i.e. z1.zero1(opt, axis_name='{axis}', "
-    "mesh=mesh). (Or call tx.init under `with jax.set_mesh(mesh):`, on "
-    "params placed on the mesh, or inside shard_map over '{axis}' as "
-    "z1.init does.)")
-
-
-def find_mesh(axis: str, *trees: Any, fallback: Any = None,
-              at_init: bool = False) -> tuple[Any, Any]:
-  """``(mesh for jax.shard_map, the mesh)``: the ``jax.set_mesh`` mesh
-  (``None`` for shard_map: it reads the context), else the mesh of the first
-  array in ``trees`` with a ``NamedSharding`` that has ``axis`` (params,
-  then gradients, then the optimizer state: a state made under
-  ``jax.set_mesh`` carries its mesh into a step jitted outside it), else
-  ``fallback`` (``zero1(..., mesh=)``).
-
-  Raises:
-    ValueError: no such mesh, naming the fix (``jax.set_mesh`` or shard_map).
-  """
-  ctx = jax.sharding.get_abstract_mesh()
-  if not ctx.empty:
-    if axis not in ctx.axis_names:
-      raise _no_mesh(axis, f"the jax.set_mesh mesh has axes "
-                     f"{tuple(ctx.axis_names)}, not '{axis}'")
-    return None, ctx
-  others = []
-  for x in jax.tree.leaves(boxes.strip(trees)):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      sharding = x.sharding
-    else:
-      sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if isinstance(sharding, NamedSharding) and axis in mesh.axis_names:
-      return mesh, mesh
-    if isinstance(sharding, NamedSharding) and not mesh.empty:
-      others.append(tuple(mesh.axis_names))
-  if fallback is not None and axis in fallback.axis_names:
-    return fallback, fallback
-  if fallback is not None:
-    raise _no_mesh(axis, f"the mesh passed to zero1(mesh=) has axes "
-                   f"{tuple(fallback.axis_names)}, not '{axis}'")
-  if others:
-    raise _no_mesh(axis, f"the arguments' mesh has axes {others[0]}, not "
-                   f"'{axis}' (pass zero1(..., axis_name=<one of them>))")
-  if at_init:
-    raise ValueError(NO_MESH_AT_INIT.format(axis=axis))
-  raise _no_mesh(axis, "no mesh was found (no jax.set_mesh context, and no "
-                 f"argument has a NamedSharding with axis '{axis}')")
-
-
-def _reduced_over(x, axis: str, field: str) -> bool:
-  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-  return axis in getattr(spec, field, ())
-
-
-def _spec(x, axis: str, field: str | None) -> P:
-  """``P()`` for ``x``'s rank, typed ``reduced`` / ``unreduced`` over ``axis``."""
-  nones = [None] * jnp.ndim(x)
-  return P(*nones, **({field: {axis}} if field else {}))
-
-
-def grads_mode(grads: Any, layout: lay.Layout, axis: str) -> str:
-  """:data:`PARTIAL` if the floating gradients are typed unreduced over
-  ``axis``, :data:`REDUCED` if none is; ValueError if only some are."""
-  leaves = jax.tree.leaves(grads)
-  flags = {_reduced_over(g, axis, "unreduced")
-           for g, s in zip(leaves, layout.leaves) if s.kind != lay.STATIC}
-  if flags == {True, False}:
-    raise ValueError(
-        f"zero1: some gradients are unreduced over '{axis}' and some are not: "
-        f"place every parameter with z1.reduced_params(params, mesh) (or none "
-        f"of them).")
-  return PARTIAL if flags == {True} else REDUCED
-
-
-def local_shards(grads: list, layout: lay.Layout, axis: str) -> dict[int, Any]:
-  """Mode :data:`REDUCED`: this device's shard of each whole gradient (no
-  collective); scalar leaves as they are. Indexed like ``layout.leaves``."""
-  out = {}
-  for i, (g, s) in enumerate(zip(grads, layout.leaves)):
-    if s.kind == lay.SHARD:
-      out[i] = col.local_shard(g, s, axis)
-    elif s.kind == lay.REPLICATE:
-      out[i] = g
-  return out
-
-
-def _off_mesh(mesh: Any, trees: dict[str, Any]) -> str | None:
-  """A leaf committed to other devices than ``mesh``'s (e.g. one device),
-  named with its devices; None if every committed array is on the mesh."""
-  if mesh is None:   # the jax.set_mesh context: its concrete devices
-    try:
-      mesh = jax.sharding.get_mesh()
-    except ValueError:   # under jax.jit: the arguments are tracers
-      return None
-  try:
-    devices = set(mesh.devices.flat)
-  except (AttributeError, ValueError):   # an abstract mesh: traced arguments
-    return None
-  for name, tree in trees.items():
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) \
-          and x.committed and set(x.sharding.device_set) != devices:
-        ids = sorted(d.id for d in x.sharding.device_set)
-        return f"{name}{jax.tree_util.keystr(path)} (devices {ids})"
-  return None
-
-
-def _place_first(where: str, axis: str) -> str:
-  return (f"zero1: {where} is committed to other devices than the "
-          f"mesh's. "
-          f"Place the params on it first, e.g. jax.device_put(params, "
-          f"NamedSharding(mesh, P())) (or z1.reduced_params(params, mesh, "
-          f"axis_name='{axis}')); a jax.jit step on them would be refused.")
-
-
-def _param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
-  """The params' sharding over the mesh's other axes (2-D meshes), read from
-  ``param_specs`` or the arrays / explicitly typed tracers. Under jit on Auto
-  axes it cannot be read: then the sharding ``tx.init`` read from concrete
-  arrays of the same shapes is used (flax's ``TrainState.create`` and
-  ``nnx.Optimizer`` init eagerly); failing that, a warning says so and the
-  params count as replicated over those axes."""
-  axis = tx.config.axis_name
-  rules = tx.config.logical_axis_rules or boxes.context_rules()
-  if rules:
-    tx.seen_rules = rules   # for a step traced outside the rules' context
-  pa = pax.resolve(params, dict(mesh.shape), axis, tx.config.param_specs,
-                   rules=rules or getattr(tx, "seen_rules", None))
-  from_meta = any(map(boxes.is_box, jax.tree.leaves(params,
-                                                    is_leaf=boxes.is_box)))
-  params = boxes.strip(params)
-  leaves = jax.tree.leaves(params)
-  # Shapes and dtypes, not the treedef: nnx hands init and update the same
-  # arrays in differently typed containers.
-  key = tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
-  if from_meta or not any(isinstance(x, jax.core.Tracer) for x in leaves):
-    tx.seen_param_axes[key] = pa   # what a later traced update falls back on
-    return pa
-  auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
-          if a != axis and mesh.shape[a] > 1
-          and t != jax.sharding.AxisType.Explicit]
-  if pa is None and auto and tx.config.param_specs is None:
-    if key in tx.seen_param_axes:
-      return tx.seen_param_axes[key]
-    warnings.warn(
-        f"zero1: under jax.jit the params' sharding over the Auto mesh axes "
-        f"{auto} cannot be read, so they are treated as replicated over them. "
-        f"If they are sharded there (tensor parallel), pass "
-        f"zero1(..., param_specs=<tree of PartitionSpec>), make those axes "
-        f"Explicit, or call tx.init on the placed arrays outside jit.",
-        stacklevel=4)
-  return pa
 
 
 def _in_specs(tree: Any, pa: pax.ParamAxes | None, axis: str,
@@ -262,7 +82,7 @@ def _in_specs(tree: Any, pa: pax.ParamAxes | None, axis: str,
 
 
 def _typed(axis: str, field: str) -> Callable[[Any], str | None]:
-  return lambda x: field if _reduced_over(x, axis, field) else None
+  return lambda x: field if reduced.reduced_over(x, axis, field) else None
 
 
 # Stage 2's gradient sharding is a hook in z1.train_step's backward pass;
@@ -303,9 +123,9 @@ def check_fp16_scale(tx: Any, params: Any) -> None:
     raise ValueError(FP16_NEEDS_SCALE.format(where=where))
 
 
-def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
-  """``tx.init(params)`` outside shard_map: ``init_in(params, param_axes)``
-  (the per-device init) inside a shard_map over the found mesh; the state
+def init(tx: Any, params: Any, like: Any = None) -> Any:
+  """``tx.init(params)`` outside shard_map: ``tx.init_from`` (the
+  per-device init) inside a shard_map over the found mesh; the state
   comes out sharded over the data axis exactly as :func:`zero1_jax.init`
   makes it (:func:`zero1_jax.core.specs.state_specs`), its sharded leaves
   wrapped as ``like``'s params are (linen boxes, nnx Variables) with
@@ -314,13 +134,14 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   float16 params without an explicit ``loss_scale`` (:func:`check_fp16_scale`)."""
   axis = tx.config.axis_name
   check_fp16_scale(tx, boxes.strip(params))
-  mesh, where = find_mesh(axis, params, fallback=tx.config.mesh, at_init=True)
+  mesh, where = jit_mesh.find_mesh(axis, params, fallback=tx.config.mesh,
+                                   at_init=True)
   n = where.shape[axis]
   one_device.warn_if_one_device(n, axis, stacklevel=3)   # the caller of tx.init
-  off = _off_mesh(mesh, {"params": params})
+  off = jit_mesh.off_mesh(mesh, {"params": params})
   if off:
-    warnings.warn(_place_first(off, axis), stacklevel=3)
-  pa = _param_axes(tx, params, where)
+    warnings.warn(jit_mesh.place_first(off, axis), stacklevel=3)
+  pa = jit_mesh.param_axes(tx, params, where)
   like = params if like is None else like
   params = boxes.strip(params)
   sizes = dict(where.shape)
@@ -330,10 +151,10 @@ def init(tx: Any, init_in: Callable, params: Any, like: Any = None) -> Any:
   if tx.config.check_elementwise:
     ew.check_elementwise(tx.inner, local, n, tx.config.master_dtype)
   specs = zspecs.state_specs(tx, shapes, n, pa)
-  f = empty_leaves.shard_map(lambda p: init_in(p, pa), mesh=mesh,
-                    in_specs=(_in_specs(params, pa, axis,
-                                        _typed(axis, "reduced"), sizes),),
-                    out_specs=specs, check_vma=False)
+  f = empty_leaves.shard_map(
+      lambda p: tx.init_from(p, p, param_axes=pa), mesh=mesh,
+      in_specs=(_in_specs(params, pa, axis, _typed(axis, "reduced"), sizes),),
+      out_specs=specs, check_vma=False)
   state = jax.jit(f)(params)   # eager shard_map would dispatch op by op
   rules = (tx.config.logical_axis_rules or boxes.context_rules()
            or getattr(tx, "seen_rules", ()))
@@ -349,25 +170,25 @@ SHARDED_2D = (
     "(tx.update reduces its gradients).")
 
 
-def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
+def update(tx: Any, grads: Any, state: Any, params: Any,
            extra_args: dict | None = None) -> tuple[Any, Any]:
   """``tx.update(grads, state, params)`` outside shard_map, on the gradients
-  ``jax.grad`` returns under jit. ``update_in(grads, state, params, mode,
-  param_axes, extra_args)`` is the per-device update; ``extra_args``' arrays
+  ``jax.grad`` returns under jit: ``tx.apply`` (the per-device update) on
+  them as :mod:`.grad_reduce` says they are; ``extra_args``' arrays
   (a ``value=`` loss, traced under jit) enter the shard_map replicated (it
   cannot close over them), the rest is closed over. Updates come out typed and
   sharded like ``params`` (replicated or ``reduced`` over the axis, and
   their own sharding over other axes), so ``optax.apply_updates`` keeps the
   params' placement."""
   axis = tx.config.axis_name
-  mesh, where = find_mesh(axis, params, grads, state,
-                          fallback=tx.config.mesh)
+  mesh, where = jit_mesh.find_mesh(axis, params, grads, state,
+                                   fallback=tx.config.mesh)
   n = where.shape[axis]
   sizes = dict(where.shape)
-  off = _off_mesh(mesh, {"params": params, "grads": grads})
+  off = jit_mesh.off_mesh(mesh, {"params": params, "grads": grads})
   if off:
-    raise ValueError(_place_first(off, axis))
-  pa = _param_axes(tx, params, where)
+    raise ValueError(jit_mesh.place_first(off, axis))
+  pa = jit_mesh.param_axes(tx, params, where)
   grads, state, params = boxes.strip((grads, state, params))
   layout = lay.plan(params if pa is None else pa.local_tree(params), n,
                     None if pa is None else pa.taken)
@@ -384,7 +205,7 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
   else:
     if tx.config.stage == 2:   # jax.grad's gradients: reduced after the backward
       warnings.warn(STAGE2_AS_STAGE1, UserWarning, stacklevel=4)
-    mode = grads_mode(grads, layout, axis)
+    mode = reduced.grads_mode(grads, layout, axis)
     g_field = "unreduced" if mode == PARTIAL else None
     g_specs = _in_specs(grads, pa, axis, lambda _: g_field, sizes)
   p_specs = _in_specs(params, pa, axis, _typed(axis, "reduced"), sizes)
@@ -403,58 +224,11 @@ def update(tx: Any, update_in: Callable, grads: Any, state: Any, params: Any,
                               for x, a in zip(leaves, is_array)])
 
   f = empty_leaves.shard_map(
-      lambda g, s, p, a: update_in(g, s, p, mode, pa, extra_args=extra(a),
-                                   platform=platforms.resolve(where)),
+      lambda g, s, p, a: tx.apply(g, s, p, mode, param_axes=pa,
+                                  extra_args=extra(a), as_updates=True,
+                                  platform=platforms.resolve(where))[:2],
       mesh=mesh, in_specs=(g_specs, s_specs, p_specs, [P()] * len(arrays)),
       out_specs=(p_specs, s_specs), check_vma=False)
   return jax.jit(f)(grads, state, params, arrays)
 
 
-def reduced_params(params: Any, mesh: jax.sharding.Mesh | None = None, *,
-                   axis_name: str = "data") -> Any:
-  """Places ``params`` replicated and typed ``reduced`` over ``axis_name``.
-
-  Under ``jax.jit`` such params make ``jax.grad`` return gradients typed
-  *unreduced* over the axis, and :func:`zero1_jax.zero1`'s ``update`` then
-  reduce-scatters them directly (one collective per bucket, no all-reduce).
-  The updates it returns are typed the same way, so the params stay so
-  through ``optax.apply_updates`` / ``TrainState.apply_gradients``.
-
-  The model must accept reduced-typed params: matmuls do; adding a reduced
-  bias to activations sharded over the axis is refused by JAX
-  (``ShardingTypeError``) unless the bias is broadcast with an explicit
-  ``out_sharding`` (see the README). Floating scalars and arrays are placed
-  reduced; other leaves plainly replicated.
-
-  Args:
-    params: a tree of arrays.
-    mesh: a mesh whose ``axis_name`` is ``Explicit`` (``jax.make_mesh``'s
-      default); default: the ``jax.set_mesh`` mesh.
-    axis_name: the data axis.
-
-  Returns:
-    ``params`` on the mesh.
-
-  Raises:
-    ValueError: no mesh, the mesh lacks the axis or the axis is not Explicit.
-  """
-  if mesh is None:
-    mesh = jax.sharding.get_mesh()
-    if mesh is None or mesh.empty:
-      raise ValueError("zero1: reduced_params needs a mesh: pass mesh= or call "
-                       "it under `with jax.set_mesh(mesh):`.")
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"zero1: mesh has axes {tuple(mesh.axis_names)}, not "
-                     f"'{axis_name}'; pass axis_name=<the data axis>.")
-  kind = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name]
-  if kind != jax.sharding.AxisType.Explicit:
-    raise ValueError(
-        f"zero1: axis '{axis_name}' is {kind}; reduced params need an Explicit "
-        f"axis: jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit,"
-        f" ...)).")
-
-  def place(x):
-    floating = lay.trainable(jnp.result_type(x))
-    return jax.device_put(x, NamedSharding(
-        mesh, _spec(x, axis_name, "reduced" if floating else None)))
-  return jax.tree.map(place, params)

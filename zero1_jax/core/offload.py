@@ -79,6 +79,13 @@ def on_host(layout: lay.Layout, i: int | None) -> bool:
   return i is not None and layout.leaves[i].kind == lay.SHARD
 
 
+def masters_to_host(values: list, layout: lay.Layout) -> list:
+  """The sharded leaves' master values moved to host memory (those a param
+  is its own master of are dropped by ``state.master_tree`` anyway)."""
+  return [to_host(v) if v is not None and on_host(layout, i) else v
+          for i, v in enumerate(values)]
+
+
 def owners(inner: Any, layout: lay.Layout, master_dtype: Any) -> list:
   """Per leaf of ``inner``'s state (``jax.tree.flatten`` order): the param
   leaf it is shaped like, or None (:func:`.elementwise.state_shard_dims`)."""

@@ -49,6 +49,14 @@ class _Master:
     return "<zero1 master copies>"
 
 
+def arrays(tree: Any) -> Any:
+  """Python scalar leaves (float, int, complex, bool) as jnp arrays, as
+  optax's init and update make them (``jnp.zeros_like(1.0)`` is a float32
+  scalar); other leaves as they are."""
+  return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(
+      x, (bool, int, float, complex)) else x, tree)
+
+
 def is_placeholder(params: Any) -> bool:
   """Whether ``tx.init`` is handed tree_map_params' placeholder."""
   return bool(_Placeholder) and isinstance(params, _Placeholder)

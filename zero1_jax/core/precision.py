@@ -158,6 +158,16 @@ class DynamicLossScale:
 LossScale = NoLossScale | StaticLossScale | DynamicLossScale
 
 
+def for_params(given: LossScale | None, params) -> LossScale:
+  """The policy a step on ``params`` uses: ``given`` (``zero1(loss_scale=)``),
+  else :class:`DynamicLossScale` (DeepSpeed's defaults) when any parameter
+  is float16, else :class:`NoLossScale`."""
+  if given is not None:
+    return given
+  fp16 = any(jnp.dtype(x.dtype) == jnp.float16 for x in jax.tree.leaves(params))
+  return DynamicLossScale() if fp16 else NoLossScale()
+
+
 def _state(scale: float, hysteresis: int) -> LossScaleState:
   return LossScaleState(scale=jnp.asarray(scale, jnp.float32),
                         step=jnp.asarray(0, jnp.int32),
