@@ -130,7 +130,7 @@ MUTANTS = [
     Mutant(
         "committed_batch_rows_on_wrong_device",
         "a batch committed off the mesh lands one device's rows further on",
-        "zero1_jax/core/step.py",
+        "zero1_jax/core/on_mesh.py",
         "      return jax.device_put(x, self._sharding)",
         "      return jax.device_put(jnp.roll(x, x.shape[0] // "
         "len(self._devices), axis=0), self._sharding)",

@@ -26,8 +26,8 @@ _SOURCES = {
     "Layout": "zero1_jax.core.layout", "plan": "zero1_jax.core.layout",
     **dict.fromkeys(("DynamicLossScale", "LossScaleState", "NoLossScale",
                      "StaticLossScale"), "zero1_jax.core.precision"),
-    **dict.fromkeys(("init", "state_shardings", "train_step"),
-                    "zero1_jax.core.step"),
+    **dict.fromkeys(("init", "train_step"), "zero1_jax.core.step"),
+    "state_shardings": "zero1_jax.core.shardings",
     **dict.fromkeys(("StepInfo", "Zero1Config", "Zero1State",
                      "Zero1Transformation", "loss_scale", "zero1"),
                     "zero1_jax.core.transform"),
@@ -66,7 +66,8 @@ if TYPE_CHECKING:   # what the names are, for type checkers and IDEs
   from zero1_jax.core.layout import Layout, plan
   from zero1_jax.core.precision import (DynamicLossScale, LossScaleState,
                                         NoLossScale, StaticLossScale)
-  from zero1_jax.core.step import init, state_shardings, train_step
+  from zero1_jax.core.shardings import state_shardings
+  from zero1_jax.core.step import init, train_step
   from zero1_jax.core.transform import (StepInfo, Zero1Config, Zero1State,
                                         Zero1Transformation, loss_scale, zero1)
   from zero1_jax.core.zero2 import zero2

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero1_jax.core import fresh_state
 from zero1_jax.core import specs as zspecs
+from zero1_jax.core import shardings as zsh
 from zero1_jax.core import step as zstep
 from zero1_jax.core.transform import Zero1Transformation
 
@@ -85,7 +86,7 @@ class TrainState(train_state.TrainState):
 
 def state_specs(state: TrainState, mesh: jax.sharding.Mesh) -> TrainState:
   """PartitionSpecs of ``state`` for ``shard_map`` in/out specs."""
-  n = zstep.data_size(state.tx, mesh)
+  n = zsh.data_size(state.tx, mesh)
   opt = zspecs.state_specs(state.tx, state.params, n)
   return state.replace(step=P(), params=jax.tree.map(lambda _: P(), state.params),
                        opt_state=opt)

@@ -28,7 +28,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from zero1_jax.core import layout as lay
 from zero1_jax.core import param_axes as pax
-from zero1_jax.core import step as zstep
+from zero1_jax.core import shardings as zsh
 from zero1_jax.core.state import Zero1State, master_tree
 
 FORMAT = "zero1_jax.checkpoint/1"
@@ -226,13 +226,13 @@ def check(meta: dict, tx, params_template, mesh, where: str
                     [r["name"] for r in saved],
                     [jax.ShapeDtypeStruct(tuple(np.shape(x)), x.dtype)
                      for _, x in want],
-                    jax.tree.leaves(zstep.param_shardings(tx, params_template,
+                    jax.tree.leaves(zsh.param_shardings(tx, params_template,
                                                           mesh)))
   # Optimizer state: global shapes at the new N and N-independent ones (on a
   # 2-D mesh: of each block's 1/N split, gathered; :mod:`..core.param_axes`).
-  n = zstep.data_size(tx, mesh)
+  n = zsh.data_size(tx, mesh)
   layout = pax.global_layout(params_template, n,
-                             zstep.param_axes(tx, params_template, mesh))
+                             zsh.param_axes(tx, params_template, mesh))
   mdt = tx.config.master_dtype
 
   def abstract(shape_of):
@@ -246,7 +246,7 @@ def check(meta: dict, tx, params_template, mesh, where: str
   padded = abstract(lambda s: s.padded_shape)
   canon = jax.tree.leaves(abstract(lambda s: s.shape))
   s_ent = entries(padded)
-  shardings = jax.tree.leaves(zstep.state_shardings(tx, params_template, mesh))
+  shardings = jax.tree.leaves(zsh.state_shardings(tx, params_template, mesh))
   assert len(shardings) == len(s_ent) == len(canon)
   # Written before params in the master dtype stopped carrying a master copy:
   # that copy equals the params (restored above), so it is not read.

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import layout as lay
 from zero1_jax.core import param_axes as pax
-from zero1_jax.core import step as zstep
+from zero1_jax.core import shardings as zsh
 from zero1_jax.core.state import Zero1State
 
 
@@ -104,7 +104,7 @@ def inner_state(tx: Any, opt_state: Zero1State, params: Any) -> optax.OptState:
     >>> ev["w"].shape
     (7,)
   """
-  zstep.require_zero1(tx, "z1.inner_state")
+  zsh.require_zero1(tx, "z1.inner_state")
   if not isinstance(opt_state, Zero1State):
     raise TypeError(f"z1.inner_state: opt_state must be the Zero1State that "
                     f"z1.init / tx.init returns, got {type(opt_state).__name__}")
@@ -215,7 +215,7 @@ def from_optax_state(tx: Any, optax_state: optax.OptState, params: Any,
     >>> inner_state(tx, state, params)[0].mu["w"].shape
     (13, 4)
   """
-  zstep.require_zero1(tx, "z1.from_optax_state")
+  zsh.require_zero1(tx, "z1.from_optax_state")
   bare = pax.unbox(params)
   ctx = jax.set_mesh(mesh) if mesh is not None else _nothing()
   with ctx:
