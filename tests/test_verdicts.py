@@ -170,3 +170,34 @@ def test_two_processes_check_once(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, which], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout, (which, r.stderr[-2000:])
+
+
+def test_the_salt_reads_every_module_the_check_imports():
+  """A verdict on disk is only as fresh as the sources its salt hashes: a
+  module the check imports (directly or not) but the salt leaves out could
+  change the verdict and still hit the old file. Read the imports with ast
+  from elementwise.py down and hold them to verdicts.SOURCES."""
+  import ast
+  import pathlib
+  core = pathlib.Path(verdicts.__file__).parent
+
+  def imported(name):
+    out = set()
+    for node in ast.walk(ast.parse((core / f"{name}.py").read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module == "zero1_jax.core":
+        out |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+          "zero1_jax.core."):
+        out.add(node.module.split(".")[2])
+      elif isinstance(node, ast.Import):
+        out |= {a.name.split(".")[2] for a in node.names
+                if a.name.startswith("zero1_jax.core.")}
+    return out
+
+  seen, todo = set(), ["elementwise", "verdicts"]
+  while todo:
+    name = todo.pop()
+    if name not in seen:
+      seen.add(name)
+      todo += sorted(imported(name))
+  assert seen <= set(verdicts.SOURCES), sorted(seen - set(verdicts.SOURCES))

@@ -15,7 +15,7 @@ so optax's helpers that read an optimizer state work on it::
       z1.inner_state(tx, opt_state, params), params)
 
 Which leaves are parameter-shaped is decided as for the state's shardings
-(:func:`zero1_jax.core.elementwise.state_shard_dims`, used by
+(:func:`zero1_jax.core.state_dims.state_shard_dims`, used by
 :mod:`.specs`); the unpadding is the slice checkpoint export applies to the
 master (:func:`zero1_jax.checkpoint.reshard.export_items`).
 

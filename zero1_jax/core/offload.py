@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from zero1_jax.core import elementwise as ew
+from zero1_jax.core import state_dims
 from zero1_jax.core import layout as lay
 
 HOST = "pinned_host"
@@ -88,8 +88,8 @@ def masters_to_host(values: list, layout: lay.Layout) -> list:
 
 def owners(inner: Any, layout: lay.Layout, master_dtype: Any) -> list:
   """Per leaf of ``inner``'s state (``jax.tree.flatten`` order): the param
-  leaf it is shaped like, or None (:func:`.elementwise.state_shard_dims`)."""
-  return ew.state_shard_dims(inner, layout, master_dtype)[3]
+  leaf it is shaped like, or None (:func:`.state_dims.state_shard_dims`)."""
+  return state_dims.state_shard_dims(inner, layout, master_dtype)[3]
 
 
 def place_state(tree: Any, own: Sequence, layout: lay.Layout) -> Any:

@@ -28,7 +28,7 @@ computation on every element (the jaxpr check has made it elementwise).
 Example:
   >>> import jax.numpy as jnp, optax
   >>> from zero1_jax.core import layout as lay
-  >>> from zero1_jax.core.elementwise import state_shard_dims
+  >>> from zero1_jax.core.state_dims import state_shard_dims
   >>> L = lay.plan({"w": jnp.zeros((256, 256))}, 8)
   >>> why = lambda tx: size_reason(tx, L, jnp.float32, state_shard_dims(tx, L)[3])
   >>> why(optax.adam(1e-3)) is None
@@ -214,7 +214,7 @@ def size_reason(inner: optax.GradientTransformation, layout: lay.Layout,
   """Why ``inner`` computes something else on ``layout``'s shards than on
   the whole parameters, or None. ``owners``: per state leaf on the shards,
   the parameter leaf it is shaped like, or None
-  (:func:`.elementwise.state_shard_dims`); ``extra``: the update's extra
+  (:func:`.state_dims.state_shard_dims`); ``extra``: the update's extra
   keyword arguments (:mod:`.extra_args`)."""
   whole, shards = _inputs(layout, dtype, True), _inputs(layout, dtype, False)
   try:

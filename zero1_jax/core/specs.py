@@ -1,6 +1,6 @@
 """Where each leaf of a :class:`Zero1State` lives.
 
-``state_specs`` asks :func:`zero1_jax.core.elementwise.state_shard_dims`
+``state_specs`` asks :func:`zero1_jax.core.state_dims.state_shard_dims`
 which inner state leaves are sharded like a parameter shard (the rest are
 replicated: counts, hyperparameters, scalar-parameter moments) and turns the
 answer into ``PartitionSpec``s. Whether the inner optimizer may be sharded at

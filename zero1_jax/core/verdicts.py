@@ -21,8 +21,9 @@ Verdicts are also kept on disk, one small file per key (under
 too: on bert-large's tree a start drops from the check's seconds to a
 file read. The file name hashes the key together with the versions of
 Python, jax and optax and the source of the check itself (this module,
-:mod:`.elementwise`, :mod:`.jaxpr_check`, :mod:`.size_check`,
-:mod:`.layout`): a change to any of them misses. A file that cannot be read or written is a miss, never an
+:mod:`.elementwise`, :mod:`.probe`, :mod:`.state_dims`, :mod:`.jaxpr_check`,
+:mod:`.size_check`, :mod:`.layout` and the rest it reads): a change to any
+of them misses. A file that cannot be read or written is a miss, never an
 error.
 
 Example:
@@ -176,6 +177,13 @@ def cache_dir() -> pathlib.Path | None:
   return pathlib.Path(base) / "zero1_jax" / "verdicts"
 
 
+# The check's source: elementwise.py and every core module it imports,
+# directly or not (tests/test_verdicts.py reads the imports and holds them
+# to this list).
+SOURCES = ("verdicts", "elementwise", "probe", "state_dims", "jaxpr_check",
+           "size_check", "blame", "extra_args", "refusal", "layout")
+
+
 @functools.lru_cache(maxsize=1)
 def _salt() -> str:
   """What else a verdict depends on: the versions and the check's source."""
@@ -184,8 +192,7 @@ def _salt() -> str:
   h = hashlib.sha256(repr((sys.version, jax.__version__,
                            optax.__version__)).encode())
   here = pathlib.Path(__file__).parent   # read, not imported (no cycle)
-  for name in ("verdicts", "elementwise", "jaxpr_check", "size_check", "blame",
-               "extra_args", "refusal", "layout"):
+  for name in SOURCES:
     h.update((here / f"{name}.py").read_bytes())
   return h.hexdigest()
 
