@@ -162,3 +162,13 @@ def test_importing_the_package_or_the_cli_loads_no_jax():
                      text=True, timeout=120, cwd=PKG.parent)
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.split() == ["zero1", "zero1_jax.core.specs"]
+
+
+def test_the_file_map_names_every_module():
+  """docs/architecture.md's file map is where a newcomer looks a module up:
+  each module's file name appears there (a new module is added to it)."""
+  doc = (PKG.parent / "docs" / "architecture.md").read_text()
+  doc = doc.split("```")[1]   # the map: the page's first code block
+  missing = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
+                   if p.name != "__init__.py" and p.name not in doc)
+  assert not missing, missing
