@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml
 	# jax's CUDA plugin at jax's own version, beside the venv (not in it: a
 	# plugin in site-packages makes every jax start on a machine without a
 	# GPU print its failure to load CUDA). tests/conftest.py and
-	# experiments/gpu_aot.py put it on sys.path to compile steps for GPUs
+	# experiments/gpu/aot.py put it on sys.path to compile steps for GPUs
 	# without one (zero1_jax.inspect.gpu). ~0.5 GB, no CUDA libraries.
 	v="$$($(BIN)/python -c 'import jax; print(jax.__version__)')" && \
 	  $(BIN)/pip install -q --no-deps --target $(VENV)/aot-plugins \
@@ -124,11 +124,11 @@ clean:
 	rm -rf $(VENV) .venv-newest $(WHEEL_VENV) output site dist
 
 .PHONY: mutate
-# Plant known bugs one at a time and show the tests catch each (experiments/mutate.py).
+# Plant known bugs one at a time and show the tests catch each (experiments/testing/mutate.py).
 mutate: venv
-	$(BIN)/python -m experiments.mutate
+	$(BIN)/python -m experiments.testing.mutate
 
 # Numerical tests under other XLA:CPU code (AVX2, AVX, fast-math): the worst
-# error each bound saw, into docs/tolerances.md (experiments/tolerance_sweep.py).
+# error each bound saw, into docs/tolerances.md (experiments/testing/tolerance_sweep.py).
 tolerances: venv
-	$(BIN)/python -m experiments.tolerance_sweep --out docs/tolerances.md
+	$(BIN)/python -m experiments.testing.tolerance_sweep --out docs/tolerances.md

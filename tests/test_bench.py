@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import zero1_jax as z1
 from experiments import baselines as bl
-from experiments import bench
+from experiments.bench import run as bench
 from helpers import assert_close, batch, float_part, loss_fn, mesh, odd_params, optax_run
 
 TINY = dict(hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32)
@@ -137,7 +137,7 @@ def test_overhead_section_measures_above_the_floor(result):
 
 
 def test_hlo_bytes_counts_buffers_not_views():
-  from experiments.hlo_bytes import written
+  from experiments.probes.hlo_bytes import written
   hlo = """HloModule m
 
 %f (a: f32[4]) -> f32[4] {
@@ -203,11 +203,11 @@ def test_theory_formulas():
 
 
 def test_collective_costs_programs_compute_what_they_are_named():
-  """experiments.collective_costs times the programs it names: each one's
+  """experiments.probes.collective_costs times the programs it names: each one's
   result is checked at N=2 (a psum doubles, a scatter keeps this device's
   part of the sum, a gather rebuilds the first part of every shard), then a
   quick table has a row per program."""
-  from experiments import collective_costs as cc
+  from experiments.probes import collective_costs as cc
   n, k, e = 2, 4, 16
   m = mesh(n)
   host = np.arange(n * e, dtype=np.float32)
@@ -236,13 +236,13 @@ def test_collective_costs_programs_compute_what_they_are_named():
 
 
 def test_peak_breakdown_reads_xla_dumps_that_add_up(tmp_path):
-  """experiments.peak_breakdown on a real dump of a small jitted ``step``
+  """experiments.probes.peak_breakdown on a real dump of a small jitted ``step``
   (written by this jax's XLA): the heap it reads is memory_analysis's peak
   within 8 KiB, and the buffers live at the peak fit in that heap."""
   import subprocess
   import sys
   import textwrap
-  from experiments import peak_breakdown as pb
+  from experiments.probes import peak_breakdown as pb
   code = textwrap.dedent("""
       import jax, jax.numpy as jnp
       def step(w, x):
@@ -272,7 +272,7 @@ def test_overhead_log_survives_ddp_at_the_floor():
   """A tiny model's DDP step can time at or below the floor on a loaded
   machine: the ratio is None, and the log line once crashed formatting it
   (every test of this file then errored in the fixture)."""
-  from experiments import bench_overhead
+  from experiments.bench import overhead as bench_overhead
   assert bench_overhead._ratio_text(None) == "n/a (DDP not above the floor)"
   assert bench_overhead._ratio_text(0.5) == "0.500"
 
@@ -281,7 +281,7 @@ def test_a_target_that_could_not_be_measured_is_missed_not_a_crash():
   """On loaded CI cores the tiny bench once produced a target without a
   value, and writing tables.md crashed (TypeError formatting None): every
   test of this file errored. It reads '-' and MISSED."""
-  from experiments import bench_report
+  from experiments.bench import report as bench_report
   res = {"plan": {"ns": [2], "dtypes": ["fp32"]},
          "targets": [{"target": "x <= 1", "value": None, "met": False,
                       "detail": "not measured"}]}

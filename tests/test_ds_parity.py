@@ -2,7 +2,7 @@
 ``z1.initialize``.
 
 ``tests/fixtures/ds_parity/*.json`` were recorded by
-``experiments/ds_parity_record.py`` (DeepSpeed 0.19.8, torch 2.13 CPU, 2
+``experiments/deepspeed_ref/record_parity.py`` (DeepSpeed 0.19.8, torch 2.13 CPU, 2
 ranks): a 7-13-5 MLP with a scalar gain (no size divides by 2 evenly except
 by padding), its initial weights, every step's global batch, and after every
 step the gathered fp32 parameters, the loss, the gradient norm and whether

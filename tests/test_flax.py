@@ -160,9 +160,9 @@ def test_nnx_trainer_trains_the_same_model_in_eval_mode():
 
 
 def test_linen_example_script_trains():
-  from experiments import flax_linen_example
-  first = flax_linen_example.main(steps=1)
-  last = flax_linen_example.main(steps=60)
+  from experiments.examples import flax_linen
+  first = flax_linen.main(steps=1)
+  last = flax_linen.main(steps=60)
   assert last < 0.7 * first
 
 

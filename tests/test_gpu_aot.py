@@ -7,7 +7,7 @@ first before the backward's last compute); the gathers of the shards
 train_step keeps between steps run under the next forward; between steps a
 device holds 1/N of the params and of the state; "auto" in-place collectives
 decided by the devices the program is compiled for. XLA's estimates of the
-step are experiments/gpu_aot.py's (docs/results.md).
+step are experiments/gpu/aot.py's (docs/results.md).
 
 The model: a 4-layer BERT of 3.7M params at 32 x 128 tokens a device, with
 1 MiB buckets so that its 15 MB of gradients make 17 groups (BERT-base's
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import zero1_jax as z1
-from experiments import gpu_aot
+from experiments.gpu import aot as gpu_aot
 from zero1_jax.core import layout as lay
 from zero1_jax.inspect import gpu, schedule as sc
 

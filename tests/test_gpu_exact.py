@@ -1,11 +1,11 @@
-"""experiments/gpu_exact.py, the numerical half of experiments/gpu_check.sh,
+"""experiments/gpu/exact.py, the numerical half of experiments/gpu/check.sh,
 runs here on the 8 simulated CPU devices, so a change that breaks it is seen
 before a lent GPU's minutes are spent on it."""
 
 import jax.numpy as jnp
 import pytest
 
-from experiments import gpu_exact
+from experiments.gpu import exact as gpu_exact
 
 
 @pytest.mark.slow   # the GPU check script dry-run on the CPU mesh (~20 s)

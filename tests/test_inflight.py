@@ -76,7 +76,7 @@ def test_300_steps_under_load_complete(form):
          "PYTHONPATH": str(ROOT)}
   env.pop("ZERO1_CPU_STEPS_IN_FLIGHT", None)
   proc = subprocess.run(
-      [sys.executable, "-m", "experiments.rendezvous", "--form", form,
+      [sys.executable, "-m", "experiments.probes.rendezvous", "--form", form,
        "--steps", "400", "--load", "2"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

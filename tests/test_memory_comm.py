@@ -156,7 +156,7 @@ def test_in_place_collectives_write_no_bucket_copy(in_place_vs_packed):
   bucket's summed shard in one pass. Summed per leaf, XLA:CPU first copies
   each leaf's slice out of the bucket (another 4 Psi / N: measured 1.38 x
   4 Psi then), which the 1.3 bound catches."""
-  from experiments.hlo_bytes import written
+  from experiments.probes.hlo_bytes import written
   inp, packed = (in_place_vs_packed[k][0] for k in ("in_place", "packed"))
   w_in, w_packed = written(inp.as_text()), written(packed.as_text())
   assert w_packed.total - w_in.total >= 4 * PSI8, (w_in.total, w_packed.total)

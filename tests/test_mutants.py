@@ -1,7 +1,7 @@
 """``make mutate``'s planted bugs still apply to the code they plant into.
 
 Each mutant is a text that must occur exactly once in its file
-(experiments/mutate.py). Code moved under one (the fp16 skip, into the
+(experiments/testing/mutate.py). Code moved under one (the fp16 skip, into the
 offload split) and ``make mutate`` failed before planting anything; this
 says so in the fast suite instead, naming the mutant to update.
 """
@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from experiments import mutate
+from experiments.testing import mutate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -40,7 +40,7 @@ under 11 s). Run with
 ``-m slow`` (``-k alias::`` etc. for one file); record the table again with
 ``ZERO1_OPTAX_SUITE_RECORD=1`` (``ZERO1_OPTAX_SUITE_RECORD_TO=path`` for a
 partial run to merge); docs/optimizers.md is generated from it:
-``python -m experiments.optimizer_table``.
+``python -m experiments.testing.optimizer_table``.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_no_silent_failure():
 
 
 def test_docs_optimizers_md_is_generated_from_the_table():
-  """docs/optimizers.md is what experiments/optimizer_table.py makes of the
-  committed table (regenerate: python -m experiments.optimizer_table)."""
-  from experiments import optimizer_table
+  """docs/optimizers.md is what experiments/testing/optimizer_table.py makes of the
+  committed table (regenerate: python -m experiments.testing.optimizer_table)."""
+  from experiments.testing import optimizer_table
   assert optimizer_table.DOC.read_text() == optimizer_table.render(_table())

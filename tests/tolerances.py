@@ -5,7 +5,7 @@ another N) is between two programs that do the same math in a different
 order, or with a different number of roundings. The bound is what that
 difference can reach, with headroom for code generation this machine does
 not produce (another CPU's vector width, FMA contraction, fusion: XLA:CPU
-rounds differently by machine). ``experiments/tolerance_sweep.py`` runs the
+rounds differently by machine). ``experiments/testing/tolerance_sweep.py`` runs the
 numerical tests under ``--xla_cpu_max_isa=AVX2`` / ``AVX`` and
 ``--xla_cpu_enable_fast_math=true`` and ``docs/tolerances.md`` records the
 worst error each bound saw there (the recorded run: native and AVX2 hold

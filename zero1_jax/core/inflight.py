@@ -10,7 +10,7 @@ slots fill with *later* steps, which wait for this step's outputs, while
 this step's launch on that device waits for a slot. The other devices sit in
 this step's collective rendezvous (``reduce scatter RendezvousKey...``) until
 XLA's 40 s ``xla_cpu_collective_call_terminate_timeout_seconds`` aborts the
-process. Measured (experiments/rendezvous.py, gdb on a stuck run): 7 device
+process. Measured (experiments/probes/rendezvous.py, gdb on a stuck run): 7 device
 threads in ``InProcessCommunicator::ReduceScatter``, the 8th launch in
 ``CpuPjRtRawLoadedExecutable::Execute -> Semaphore::Acquire``, the process
 idle: a deadlock, so raising the timeout only delays the abort.

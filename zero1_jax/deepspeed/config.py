@@ -15,15 +15,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import hjson
-import json
 import logging
 import math
 import os
 from typing import Mapping
 
-from zero1_jax.deepspeed import keys, monitor, offload, optim
+from zero1_jax.deepspeed import batch_triple, keys, monitor, offload, optim
 from zero1_jax.deepspeed import log as ds_log
+from zero1_jax.deepspeed.config_text import parse_text
 from zero1_jax.deepspeed.schema import (BF16Config, ConfigError, FP16Config,
                                         NotHonouredWarning, UnknownKeyWarning,
                                         OptimizerConfig, SchedulerConfig,
@@ -283,48 +282,6 @@ def _named(raw: Mapping, key: str, cls):
   return cls(type=d["type"], params=copy.deepcopy(dict(params)))
 
 
-def _resolve_batch(raw: Mapping, ws: int) -> tuple[int, int, int]:
-  """runtime/config.py _set_batch_related_parameters + _batch_assertion."""
-  names = ("train_batch_size", "train_micro_batch_size_per_gpu",
-           "gradient_accumulation_steps")
-  tb, mb, ga = (None if raw.get(k) is None else as_int(k, raw[k]) for k in names)
-  if ga is not None and ga <= 0:
-    raise ConfigError(f"Gradient accumulation steps: {ga} has to be greater "
-                      "than 0")
-  if None not in (tb, mb, ga):
-    pass
-  elif tb is not None and mb is not None:
-    ga = tb // mb // ws if mb > 0 else 0
-  elif tb is not None and ga is not None:
-    mb = tb // ws // ga
-  elif mb is not None and ga is not None:
-    tb = mb * ga * ws
-  elif tb is not None:
-    ga, mb = 1, tb // ws
-  elif mb is not None:
-    tb, ga = mb * ws, 1
-  else:
-    raise ConfigError("Either train_batch_size or "
-                      "train_micro_batch_size_per_gpu needs to be provided")
-  for value, what in ((tb, "Train batch size"),
-                      (mb, "Micro batch size per gpu"),
-                      (ga, "Gradient accumulation steps")):
-    if value <= 0:
-      raise ConfigError(f"{what}: {value} has to be greater than 0")
-  if tb != mb * ga * ws:
-    # DeepSpeed's words, then which value would make the rule hold.
-    fix = (f"gradient_accumulation_steps {tb // (mb * ws)} would make it hold "
-           f"with the other two" if tb % (mb * ws) == 0 else
-           f"train_batch_size must be a multiple of micro batch x devices = "
-           f"{mb * ws}")
-    raise ConfigError(
-        "Check batch related parameters. train_batch_size is not equal to "
-        "micro_batch_per_gpu * gradient_acc_step * world_size "
-        f"{tb} != {mb} * {ga} * {ws} ({fix}; or leave one of the three out, "
-        f"or \"auto\" in zero1-train, and it is derived)")
-  return tb, mb, ga
-
-
 def _build(raw: Mapping, world_size: int | None, source: str | None
            ) -> DeepSpeedConfig:
   if not isinstance(raw, Mapping):
@@ -345,7 +302,7 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
     import jax  # pylint: disable=import-outside-toplevel
     world_size = jax.device_count()
   world_size = as_int("world_size", world_size, 1)
-  _check_parallelism(raw)
+  batch_triple.check_parallelism(raw)
   fp16 = FP16Config(**_section(raw, "fp16", FP16Config))
   bf16 = BF16Config(**_section(
       raw, "bf16" if raw.get("bf16") is not None else "bfloat16", BF16Config))
@@ -363,7 +320,7 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
   for k, v in raw.items():
     if k in keys.NOTES:
       _note(k, v)
-  tb, mb, ga = _resolve_batch(raw, world_size)
+  tb, mb, ga = batch_triple.resolve(raw, world_size)
   spp = raw.get("steps_per_print")
   cfg = DeepSpeedConfig(
       train_batch_size=tb, train_micro_batch_size_per_gpu=mb,
@@ -388,26 +345,6 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
   return cfg
 
 
-def _check_parallelism(raw: Mapping) -> None:
-  """Keys that change what a data-parallel rank is, or reduce differently."""
-  sp = raw.get("sequence_parallel_size", 1)
-  if as_int("sequence_parallel_size", sp, 1) != 1:
-    raise ConfigError(f"sequence_parallel_size={sp} is not supported: "
-                      "zero1_jax is data parallel only (DeepSpeed would also "
-                      "divide the data-parallel size by it). Remove the key.")
-  op = raw.get("gradient_allreduce_op", "mean")
-  if not isinstance(op, str) or op.lower() not in ("mean", "sum"):
-    raise ConfigError("Invalid gradient_allreduce_op. Supported operations: "
-                      f"['mean', 'sum']. Got: {op!r}")
-  if op.lower() == "sum":
-    raise ConfigError(
-        "gradient_allreduce_op='sum' (updates from the sum of the gradients "
-        "over ranks) is not supported by zero1_jax, which averages. Remove "
-        "the key and multiply your loss by the data-parallel size instead.")
-  if "gradient_allreduce_op" in raw:
-    raw["gradient_allreduce_op"] = op.lower()
-
-
 def _check_dynamic_fp16(fp16: FP16Config) -> None:
   """runtime/precision_config.py checks these only for dynamic fp16."""
   if not (fp16.enabled and fp16.dynamic_loss_scale):
@@ -420,14 +357,6 @@ def _check_dynamic_fp16(fp16: FP16Config) -> None:
     raise ConfigError(
         f"fp16.hysteresis={fp16.hysteresis} is not supported: DeepSpeed "
         "accepts it and then never lowers the loss scale. Use hysteresis >= 1.")
-
-
-def _no_duplicates(pairs):
-  keys = [k for k, _ in pairs]
-  dup = sorted({k for k in keys if keys.count(k) > 1})
-  if dup:
-    raise ConfigError(f"Duplicate keys in DeepSpeed config: {dup}")
-  return dict(pairs)
 
 
 def load_config(config: str | os.PathLike | Mapping,
@@ -448,27 +377,3 @@ def load_config(config: str | os.PathLike | Mapping,
                         f"{e.strerror or e}") from e
     config = parse_text(text, source)
   return _build(config, world_size, source)
-
-
-def parse_text(text: str, source: str = "the config"):
-  """A DeepSpeed config file's text, read as DeepSpeed 0.19 reads it
-  (``runtime/config.py``: ``hjson.load`` with duplicate keys an error): JSON,
-  plus the comments, unquoted keys and strings Hjson allows. Text that is
-  plain JSON is read by ``json`` (Hjson would make ``1.0`` the int 1).
-
-  >>> parse_text('{"train_batch_size": 8, zero_optimization: {stage: 1}}  # 1 node')
-  {'train_batch_size': 8, 'zero_optimization': {'stage': 1}}
-  """
-  try:   # plain JSON as JSON: 1.0 stays a float (Hjson reads it as 1)
-    return json.loads(text, object_pairs_hook=_no_duplicates)
-  except json.JSONDecodeError:
-    pass
-  except ConfigError as e:
-    raise ConfigError(f"{source!r}: {e}") from None
-  try:
-    return hjson.loads(text, object_pairs_hook=_no_duplicates)
-  except hjson.HjsonDecodeError as e:
-    raise ConfigError(f"invalid JSON in {source!r} at line {e.lineno} column "
-                      f"{e.colno} (char {e.pos}): {e.msg}") from e
-  except ConfigError as e:
-    raise ConfigError(f"{source!r}: {e}") from None

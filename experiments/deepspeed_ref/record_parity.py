@@ -6,9 +6,9 @@ same steps without torch or deepspeed. Record all of them with::
     python3 -m venv /tmp/dsvenv
     /tmp/dsvenv/bin/pip install "torch==2.13.0" "deepspeed==0.19.8" numpy
     DS_ACCELERATOR=cpu /tmp/dsvenv/bin/deepspeed --num_gpus=2 \\
-        experiments/ds_parity_record.py --out-dir tests/fixtures/ds_parity
+        experiments/deepspeed_ref/record_parity.py --out-dir tests/fixtures/ds_parity
 
-(``torchrun --nproc_per_node=2 experiments/ds_parity_record.py ...`` with
+(``torchrun --nproc_per_node=2 experiments/deepspeed_ref/record_parity.py ...`` with
 ``DS_ACCELERATOR=cpu`` works too.) ``--only NAME[,NAME]`` records a subset.
 Nothing here is imported by the package or the tests.
 

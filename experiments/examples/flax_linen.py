@@ -1,6 +1,6 @@
 """A Flax linen model trained with zero1_jax's TrainState in a shard_map step.
 
-  python -m experiments.flax_linen_example   # 4 simulated CPU devices
+  python -m experiments.examples.flax_linen   # 4 simulated CPU devices
 
 The step is ordinary Flax: compute this device's gradients on its slice of
 the batch, call ``state.apply_gradients``. zero1 reduce-scatters them,

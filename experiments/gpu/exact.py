@@ -2,7 +2,7 @@
 numerical checks of tests/test_equivalence.py and tests/test_precision.py,
 for a backend the test suite never runs on (a GPU, N = 1 there).
 
-  python -m experiments.gpu_exact          # run by experiments/gpu_check.sh
+  python -m experiments.gpu.exact          # run by experiments/gpu/check.sh
 
 Each row: the largest |zero - reference| over all leaves, divided by that
 leaf's largest |reference|, after a few steps on the same global batches. The

@@ -15,7 +15,7 @@ own dumps of the compiled step (each method compiled in a subprocess with
 * the buffers of at least ``--min_kb`` KiB live at the peak, each with its
   HLO op, where the two methods differ.
 
-Run: ``python -m experiments.peak_breakdown [--size s] [--n 8]
+Run: ``python -m experiments.probes.peak_breakdown [--size s] [--n 8]
 [--dtypes fp32 bf16] [--out FILE]`` (a markdown report).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ ARGUMENT = "(argument)"
 def _compile_and_dump(method: str, size: str, dtype: str, n: int, dump: str) -> None:
   """In this (fresh) process: compile ``method``'s step with the dump on."""
   del dump   # XLA_FLAGS (set by the parent) already says where
-  from experiments import bench_setup as bs
+  from experiments.bench import plan as bs
   m = bs.model(size, dtype, 64)
   b = bs.device_batch(bs.batch(2 * n, 64), n)
   if method == "zero1_in_place":
@@ -137,7 +137,7 @@ def measure(size: str, dtype: str, n: int) -> dict[str, dict]:
       env = {**os.environ, "XLA_FLAGS": (
           f"--xla_force_host_platform_device_count={n} --xla_dump_to={dump} "
           f"--xla_dump_hlo_module_re=.*jit_step.* --xla_dump_hlo_as_text")}
-      subprocess.run([sys.executable, "-m", "experiments.peak_breakdown",
+      subprocess.run([sys.executable, "-m", "experiments.probes.peak_breakdown",
                       "--_child", json.dumps([method, size, dtype, n, dump])],
                      env=env, check=True)
       out[method] = parse(dump)
@@ -146,7 +146,7 @@ def measure(size: str, dtype: str, n: int) -> dict[str, dict]:
 
 def report(size: str, n: int, dtypes: list[str], min_kb: float) -> str:
   lines = [f"### Compiled peak of the step: live bytes vs heap (model `{size}`, "
-           f"N={n}, `python -m experiments.peak_breakdown`)", "",
+           f"N={n}, `python -m experiments.probes.peak_breakdown`)", "",
            "heap = what `memory_analysis()` reports (argument + output - alias "
            "+ temp); live at peak = the memory occupied by the values XLA's "
            "live-range analysis lists at its peak instruction (shared buffers "

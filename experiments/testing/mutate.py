@@ -10,10 +10,10 @@ imported, never the installed one. A mutant is caught when pytest exits
 non-zero.
 
 Usage (from the repository root):
-  python -m experiments.mutate                 # all mutants
-  python -m experiments.mutate --only NAME ... # some of them
-  python -m experiments.mutate --baseline      # also run each selection unmutated
-  python -m experiments.mutate --list
+  python -m experiments.testing.mutate                 # all mutants
+  python -m experiments.testing.mutate --only NAME ... # some of them
+  python -m experiments.testing.mutate --baseline      # also run each selection unmutated
+  python -m experiments.testing.mutate --list
 
 Prints a table ``mutant | tests run | caught | seconds`` and exits 1 if any
 mutant survives (or a baseline run fails).
@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +184,7 @@ def check(m: Mutant) -> str:
   text = (ROOT / m.path).read_text()
   count = text.count(m.old)
   assert count == 1, (f"mutant {m.name}: {m.old!r} occurs {count} times in "
-                      f"{m.path} (expected once): update experiments/mutate.py")
+                      f"{m.path} (expected once): update experiments/testing/mutate.py")
   return text
 
 

@@ -13,7 +13,7 @@ One model (the BERT MLM of :mod:`zero1_jax.models.bert` on the byte-level data o
   data axis and the collectives left to the partitioner
   (:func:`experiments.baselines.gspmd_train_step`).
 
-Sections (each a function of :mod:`experiments.bench_sections` that returns
+Sections (each a function of :mod:`experiments.bench.sections` that returns
 plain JSON-able dicts):
 
 * :func:`state_section`: per-device bytes of optimizer state + master weights
@@ -26,7 +26,7 @@ plain JSON-able dicts):
 * :func:`speed_section`: interleaved step times (median of repeats) at the
   largest N for several model sizes, and how time and memory grow with Psi;
 * :func:`bucket_section`: collective count and step time vs ``bucket_bytes``;
-* :func:`overhead_section` (:mod:`experiments.bench_overhead`): each method's
+* :func:`overhead_section` (:mod:`experiments.bench.overhead`): each method's
   step time above the no-communication floor, peaks, and the bytes each step
   writes (from the optimized HLO), at N = 2 and 8, ZeRO-2 included;
 * :func:`stage2_section`: ZeRO-1 vs ZeRO-2 compiled peaks without and with
@@ -41,52 +41,38 @@ Run (CPU, 8 simulated devices; about 5 minutes on 2 cores)::
 
 It writes ``bench.json``, ``tables.md`` and PNG plots to ``--out``.
 
-This module holds the entry point (:func:`run`, :func:`main`) and re-exports
-the names of the modules it is split into: :mod:`experiments.bench_setup`
+This module holds the entry point (:func:`run`, :func:`main`; ``python -m
+experiments.bench`` runs :func:`main` from ``__main__.py``, which first sets
+up the simulated devices) and re-exports the names of the modules it is
+split into: :mod:`experiments.bench.plan`
 (constants, :class:`Plan`, models, batches, compiled steps, theory),
-:mod:`experiments.bench_sections` (the measurements),
-:mod:`experiments.bench_report` (:func:`targets`, :func:`tables`) and
-:mod:`experiments.bench_plots` (:func:`plots`).
+:mod:`experiments.bench.sections` (the measurements),
+:mod:`experiments.bench.report` (:func:`targets`, :func:`tables`) and
+:mod:`experiments.bench.plots` (:func:`plots`).
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import os
+import platform as _pyplatform
 import sys
+import time
+from typing import Any
 
-if __name__ == "__main__":
-  # Before jax is imported: 8 simulated CPU devices unless told otherwise.
-  _platform = "cpu"
-  for _i, _a in enumerate(sys.argv):
-    if _a == "--platform" and _i + 1 < len(sys.argv):
-      _platform = sys.argv[_i + 1]
-    elif _a.startswith("--platform="):
-      _platform = _a.split("=", 1)[1]
-  if _platform == "cpu":
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    _flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in _flags:
-      os.environ["XLA_FLAGS"] = (
-          _flags + " --xla_force_host_platform_device_count=8").strip()
+import jax
+import numpy as np
+import optax
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import platform as _pyplatform  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-# Re-exported: tests, scripts and docs use them as ``experiments.bench.<name>``.
-from experiments.bench_overhead import overhead_section, stage2_section  # noqa: E402,F401
-from experiments.bench_plots import plots  # noqa: E402,F401
-from experiments.bench_report import tables, targets  # noqa: E402,F401
-from experiments.bench_sections import (  # noqa: E402,F401
+# Re-exported: tests and scripts use them as ``experiments.bench.run.<name>``.
+from experiments.bench.overhead import overhead_section, stage2_section  # noqa: F401
+from experiments.bench.plots import plots  # noqa: F401
+from experiments.bench.report import tables, targets  # noqa: F401
+from experiments.bench.sections import (  # noqa: F401
     activation_bytes, adam_bandwidth_section, bucket_section, collective_section,
     memory_section, speed_section, state_section, time_interleaved)
-from experiments.bench_setup import (  # noqa: E402,F401
+from experiments.bench.plan import (  # noqa: F401
     _BUILT, COLORS, DEFAULT_BUCKET, DTYPES, K, LABELS, METHODS, QUICK, SIZES, Built,
     Model, Plan, batch, build, device_batch, make_mesh, model, model_state_theory,
     optimizer, sharded_state_theory, state_master_theory, traffic_theory)
@@ -158,7 +144,8 @@ def run(plan: Plan, out: str | None = None, sections: tuple[str, ...] | None = N
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(prog="python -m experiments.bench",
+                               description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="tiny sizes, few repeats")
   ap.add_argument("--out", default="experiments/results")
   ap.add_argument("--platform", default="cpu",
@@ -202,7 +189,3 @@ def main(argv=None) -> dict:
       os.path.basename(p) for p in res.get("plots", [])) +
       f" in {res['timing_s']['total']:.0f}s")
   return res
-
-
-if __name__ == "__main__":
-  main()

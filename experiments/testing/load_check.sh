@@ -4,7 +4,7 @@
 # RAM, two busy loops keep both cores at 100%, and XLA_FLAGS restricts the
 # generated code to AVX2. Prints make test's tail and the wall time.
 #
-#   bash experiments/load_check.sh [repo (default .)] [isa (default AVX2)]
+#   bash experiments/testing/load_check.sh [repo (default .)] [isa (default AVX2)]
 set -euo pipefail
 src="$(cd "${1:-.}" && pwd)"
 isa="${2:-AVX2}"

@@ -6,7 +6,7 @@ that. For each N in ``plan.overhead_ns`` the methods are compiled for the same
 model and batch and timed interleaved; a method's *overhead* is its step time
 minus the floor's in the same round (median over rounds). Beside it: the
 compiled per-device peak, and the bytes the step writes to memory per device
-(:mod:`experiments.hlo_bytes`, from the optimized HLO), where bucket copies,
+(:mod:`experiments.probes.hlo_bytes`, from the optimized HLO), where bucket copies,
 padded copies and unpacking slices show.
 
 ZeRO-1 moves the same bytes as DDP and does 1/N of its Adam work, so its
@@ -17,9 +17,9 @@ from __future__ import annotations
 import statistics
 
 import zero1_jax as z1
-from experiments import bench_setup as bs
-from experiments.bench_sections import _summary, time_interleaved
-from experiments.hlo_bytes import written
+from experiments.bench import plan as bs
+from experiments.bench.sections import _summary, time_interleaved
+from experiments.probes.hlo_bytes import written
 
 # method label -> (bench_setup method, extra build keywords)
 VARIANTS = {
@@ -81,8 +81,8 @@ def _ratio_text(ratio: float | None) -> str:
 def stage2_section(plan: bs.Plan, log=print) -> list[dict]:
   """Compiled peaks of ZeRO-1 and ZeRO-2 at N = max(ns) without and with
   4-step accumulation, and stage 2 / stage 1 step time
-  (:func:`experiments.zero2_compare.compare`)."""
-  from experiments.zero2_compare import compare
+  (:func:`experiments.probes.zero2_compare.compare`)."""
+  from experiments.probes.zero2_compare import compare
   rows = compare(plan.state_size, max(plan.ns), (1, 4), seq_len=plan.seq_len,
                  per_device_batch=plan.per_device_batch, rounds=plan.min_rounds,
                  warmup=plan.warmup)

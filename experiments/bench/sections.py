@@ -1,6 +1,6 @@
 """Measurement sections of the ZeRO-1 benchmark (:mod:`experiments.bench`).
 
-Each section takes a :class:`~experiments.bench_setup.Plan` and returns plain
+Each section takes a :class:`~experiments.bench.plan.Plan` and returns plain
 JSON-able dicts:
 
 * :func:`state_section`: per-device bytes of optimizer state + master weights
@@ -26,7 +26,7 @@ import optax
 
 import zero1_jax as z1
 from experiments import baselines as bl
-from experiments.bench_setup import (DTYPES, K, METHODS, Built, Model, Plan, batch,
+from experiments.bench.plan import (DTYPES, K, METHODS, Built, Model, Plan, batch,
                                      build, device_batch, make_mesh, model,
                                      model_state_theory, optimizer, sharded_state_theory,
                                      state_master_theory,

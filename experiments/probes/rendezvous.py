@@ -2,8 +2,8 @@
 never blocks abort with XLA's ``Termination timeout for 'reduce scatter
 RendezvousKey...'`` (issue #33, item 6)? Timings and outcomes go to stdout.
 
-    python -m experiments.rendezvous --form train_step --steps 300 --load 2
-    python -m experiments.rendezvous --form shard_map --steps 300 --load 2 --no-fix
+    python -m experiments.probes.rendezvous --form train_step --steps 300 --load 2
+    python -m experiments.probes.rendezvous --form shard_map --steps 300 --load 2 --no-fix
 
 ``--form``: ``train_step`` (the README's complete example), ``plain_jit``
 (``tx.update`` inside a ``jax.jit`` step under ``jax.set_mesh``, blocking

@@ -18,8 +18,8 @@ Each assert_close / assert_ulps call logs (test, what, bound, measured) when
 ZERO1_TOL_LOG is set (tests/helpers.py); this collects the logs and writes
 one row per bound site with the worst measured value per target.
 
-  python -m experiments.tolerance_sweep --out docs/tolerances.md
-  python -m experiments.tolerance_sweep --targets AVX2,fast_math \
+  python -m experiments.testing.tolerance_sweep --out docs/tolerances.md
+  python -m experiments.testing.tolerance_sweep --targets AVX2,fast_math \
       --recorded native=/tmp/native.tsv     # native from a `make test` log
 """
 
@@ -109,7 +109,7 @@ def main(argv=None):
       "reason for each bound is written beside it in the test or in "
       "`tests/tolerances.py`.",
       "",
-      f"Command: `python -m experiments.tolerance_sweep`; "
+      f"Command: `python -m experiments.testing.tolerance_sweep`; "
       f"{datetime.date.today()}, {platform.processor() or platform.machine()}, "
       f"{os.cpu_count()} cores, jax {_jax_version()}.",
       "",

@@ -1,9 +1,9 @@
-"""Probe DeepSpeed 0.19.8's config parser for the rules in docs/ds_0.19.8_audit.md.
+"""Probe DeepSpeed 0.19.8's config parser for the rules in docs/ds_0.19.8_reference.md.
 
-Needs the torch + deepspeed venv of experiments/ds_parity_record.py; no
+Needs the torch + deepspeed venv of experiments/deepspeed_ref/record_parity.py; no
 distributed launch (DeepSpeedConfig falls back to world size 1)::
 
-    DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python experiments/ds_config_probe.py
+    DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python experiments/deepspeed_ref/probe_config.py
 
 Prints one line per probe: ``ok`` (accepted, with the parsed value where it
 matters) or the exception DeepSpeed raises. Nothing imports this file.

@@ -7,7 +7,7 @@ the reported ratio is the median of per-round ``t(stage 2) / t(stage 1)``.
 
 Usage (from the repository root; 8 simulated CPU devices):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-    python -m experiments.zero2_compare --size s --n 8 --accum 1 4
+    python -m experiments.probes.zero2_compare --size s --n 8 --accum 1 4
 
 The bench can call :func:`compare` (one model, one N) and print its rows.
 """
@@ -20,7 +20,7 @@ import time
 import jax
 
 import zero1_jax as z1
-from experiments import bench_setup as bs
+from experiments.bench import plan as bs
 
 STAGES = {1: z1.zero1, 2: z1.zero2}
 

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # zero1_jax on one real GPU (N = 1): first the numerical checks
-# (experiments/gpu_exact.py: ZeRO-1/2 against unsharded optax in fp32, bf16,
+# (experiments/gpu/exact.py: ZeRO-1/2 against unsharded optax in fp32, bf16,
 # fp16, with clipping, accumulation and both reduce paths) and the README's
 # zero1-train command (fp16, dynamic loss scale) saved and resumed; then the
-# benchmark of experiments/bench.py and the bandwidth an Adam update reaches
+# benchmark (python -m experiments.bench) and the bandwidth an Adam update reaches
 # against the HBM roofline. About 5 minutes on one H200 (measured: bench
 # 162 s, the checks and overlap together 103 s); writes
 # gpu_check.log, bench.json, tables.md, plots and overlap.txt (7 files) to
 # $OUT (the device tool's output folder) or experiments/results/gpu.
 #
-#   bash experiments/gpu_check.sh                 # on a machine with a GPU
-#   HBM_TB_S=3.35 bash experiments/gpu_check.sh   # H100 SXM roofline
-#   GPU_CHECK_DRY=1 bash experiments/gpu_check.sh # tiny CPU dry run of this script
+#   bash experiments/gpu/check.sh                 # on a machine with a GPU
+#   HBM_TB_S=3.35 bash experiments/gpu/check.sh   # H100 SXM roofline
+#   GPU_CHECK_DRY=1 bash experiments/gpu/check.sh # tiny CPU dry run of this script
 #
 # Needs jax with a CUDA backend (pip install -e '.[cuda,experiments]').
 # At N = 1 there is no communication: ZeRO-1/DDP measures what ZeRO-1's
@@ -21,7 +21,7 @@
 # the exit status is 1 if any failed.
 set -uo pipefail
 FAILED=0
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python; elif command -v python3 >/dev/null; then PY=python3; else PY=python; fi
 OUT_DIR="${OUT:-experiments/results/gpu}"
 mkdir -p "$OUT_DIR"
@@ -31,7 +31,7 @@ HBM_TB_S="${HBM_TB_S:-4.8}"   # H200 SXM: 4.8 TB/s
 # global batch) on all visible devices: per collective, the compute it could
 # hide behind, read from the compiled HLO (N = 1: no collectives are left).
 overlap_step() {
-  timeout 240 "$PY" -c "import jax, sys, zero1_jax as z1; from experiments import bench_setup as bs; s, L, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]); n = jax.device_count(); built = bs.build('zero1_rs', bs.model(s, 'fp32', L), n, bs.device_batch(bs.batch(B, L), n)); print(f'z1.inspect.overlap: ZeRO-1 step, {s}, seq {L}, batch {B}, N={n} ({jax.default_backend()})'); print(z1.inspect.overlap_summary(z1.inspect.overlap(built.compiled)))" "$@" \
+  timeout 240 "$PY" -c "import jax, sys, zero1_jax as z1; from experiments.bench import plan as bs; s, L, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]); n = jax.device_count(); built = bs.build('zero1_rs', bs.model(s, 'fp32', L), n, bs.device_batch(bs.batch(B, L), n)); print(f'z1.inspect.overlap: ZeRO-1 step, {s}, seq {L}, batch {B}, N={n} ({jax.default_backend()})'); print(z1.inspect.overlap_summary(z1.inspect.overlap(built.compiled)))" "$@" \
     2>&1 | grep -v -i "warning" | tee "$OUT_DIR/overlap.txt"
 }
 
@@ -40,7 +40,7 @@ correctness() {
   local steps="$1"
   {
     local failed=0
-    timeout 300 "$PY" -m experiments.gpu_exact || { echo "gpu_check: gpu_exact FAILED"; failed=1; }
+    timeout 300 "$PY" -m experiments.gpu.exact || { echo "gpu_check: gpu_exact FAILED"; failed=1; }
     local run="$PY -m zero1_jax.cli.train --num_devices 1 --deepspeed experiments/configs/ds_zero_stage1.json --model_name_or_path bert-tiny --per_device_train_batch_size 32 --save_steps $((steps / 2)) --output_dir /tmp/z1_gpu_cli"
     echo "zero1-train on $("$PY" -c 'import jax; print(jax.devices()[0].device_kind)'), fp16, saved at step $((steps / 2)), resumed to $steps:"
     timeout 300 $run --max_steps $((steps / 2)) --overwrite_output_dir \

@@ -3,7 +3,7 @@ the first process (cold: the check runs), a second process (its verdict read
 from the disk cache, core/verdicts.py), and with the cache off. Each run is
 a fresh Python process, timed inside it around the check alone.
 
-  python -m experiments.startup      # prints one line per run
+  python -m experiments.probes.startup      # prints one line per run
 """
 
 from __future__ import annotations

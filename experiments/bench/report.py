@@ -6,7 +6,7 @@ as Markdown tables.
 """
 from __future__ import annotations
 
-from experiments.bench_overhead import (overhead_table, overhead_targets,
+from experiments.bench.overhead import (overhead_table, overhead_targets,
                                         stage2_table, stage2_targets)
 
 

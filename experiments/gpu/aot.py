@@ -8,9 +8,9 @@ measurement. Per form: the estimated step, its time above the
 no-communication floor, the collective time no compute hides, the bytes its
 collectives move and its peak per device (``memory_analysis``).
 
-  python -m experiments.gpu_aot                      # BERT-base + GPT-2 small, fp32 + bf16, 8 GPUs
-  python -m experiments.gpu_aot --gpus 8,16,32,64 --forms floor,ddp,train_step
-  python -m experiments.gpu_aot --out experiments/results   # writes gpu_aot.json / gpu_aot.md
+  python -m experiments.gpu.aot                      # BERT-base + GPT-2 small, fp32 + bf16, 8 GPUs
+  python -m experiments.gpu.aot --gpus 8,16,32,64 --forms floor,ddp,train_step
+  python -m experiments.gpu.aot --out experiments/results   # writes gpu_aot.json / gpu_aot.md
 
 Forms: ``floor`` (forward, backward, a local SGD step; only the loss's scalar
 all-reduce), ``ddp`` (optax in plain jit, params and state replicated: the

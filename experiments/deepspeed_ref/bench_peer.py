@@ -6,7 +6,7 @@ the tests). It needs torch and deepspeed, which the JAX venv does not have::
     python3 -m venv /tmp/dsvenv
     /tmp/dsvenv/bin/pip install "torch==2.13.0+cpu" deepspeed numpy
     DS_ACCELERATOR=cpu /tmp/dsvenv/bin/deepspeed --num_gpus=2 \\
-        experiments/bench_deepspeed.py --size s --out experiments/results/deepspeed.json
+        experiments/deepspeed_ref/bench_peer.py --size s --out experiments/results/deepspeed.json
 
 Each rank builds two engines over identical copies of the model, DeepSpeed
 stage 0 (plain data parallel, the DDP baseline) and stage 1 (ZeRO-1), and
@@ -36,7 +36,7 @@ def _load_data_module():
   """zero1_jax/data.py is numpy only; load it by path, since importing the
   zero1_jax package would need jax in this torch venv."""
   import importlib.util
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                       "zero1_jax", "data.py")
   spec = importlib.util.spec_from_file_location("zero1_jax_data", path)
   mod = importlib.util.module_from_spec(spec)
@@ -46,7 +46,7 @@ def _load_data_module():
 
 data = _load_data_module()
 
-SIZES = {  # == experiments.bench.SIZES
+SIZES = {  # == experiments.bench.plan.SIZES
     "xxs": dict(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=128),
     "xs": dict(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=256),
     "s": dict(hidden_size=128, num_layers=4, num_heads=2, intermediate_size=512),

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from experiments.bench_setup import COLORS, LABELS, METHODS
+from experiments.bench.plan import COLORS, LABELS, METHODS
 
 
 def _plain_log_ticks(ax, matplotlib) -> None:

@@ -1,7 +1,7 @@
 """The ways to train with zero1, side by side: optimizer-state bytes per
 device and gradient/weight traffic per step, read from the compiled step.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.forms
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.probes.forms
 
 Model: a stock Flax MLP (Dense layers with biases), fp32, Adam, N=8, global
 batch 64. Traffic is the ZeRO paper's per-device volume (all-reduce counts

@@ -18,7 +18,7 @@ copies (pack, unpack); a copy-free one would pay the two collectives alone.
 On XLA:CPU every extra collective, and every extra operand of a variadic one,
 is another rendezvous of all N device threads.
 
-Run: ``python -m experiments.collective_costs [--ns 2 8] [--psi 851332]``
+Run: ``python -m experiments.probes.collective_costs [--ns 2 8] [--psi 851332]``
 (prints a markdown table; ``--out FILE`` also writes it).
 """
 from __future__ import annotations

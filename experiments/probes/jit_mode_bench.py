@@ -1,6 +1,6 @@
 """Plain-jit ZeRO-1 (flax TrainState under jax.set_mesh) vs z1.train_step.
 
-  python -m experiments.jit_mode_bench [--steps 30] [--width 512] [--bf16]
+  python -m experiments.probes.jit_mode_bench [--steps 30] [--width 512] [--bf16]
 
 One run, one model, one batch, three forms of the same Adam step:
   train_step  z1.init + z1.train_step (shard_map; reduce-scatter of local grads)

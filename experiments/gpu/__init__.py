@@ -1,0 +1,6 @@
+"""GPUs: every form's step compiled for 8 to 64 NVIDIA GPUs on a machine
+without one (``python -m experiments.gpu.aot``, XLA's cost model), the
+numerical checks against unsharded optax on real devices
+(``python -m experiments.gpu.exact``), and ``bash experiments/gpu/check.sh``,
+which runs those checks, the CLI and the benchmark on one GPU.
+"""
