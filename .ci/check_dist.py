@@ -32,7 +32,9 @@ def main(dist: str = "dist") -> int:
     if not re.search(rf"^{script} = ", entry, re.M):
       problems.append(f"the wheel has no {script} console script")
   for must in ("zero1_jax/__init__.py", "zero1_jax/cli/train.py",
-               "zero1_jax/core/transform.py", "zero1_jax/deepspeed/engine.py"):
+               "zero1_jax/core/transform.py", "zero1_jax/deepspeed/engine.py",
+               "zero1_jax/inspect/gpu_specs/h100_sxm.txtpb",
+               "zero1_jax/inspect/gpu_specs/h200.txtpb"):
     if must not in names:
       problems.append(f"the wheel lacks {must}")
   members = tarfile.open(sdists[0]).getnames()

@@ -21,7 +21,7 @@ import pytest
 import zero1_jax as z1
 from experiments.gpu import aot as gpu_aot
 from zero1_jax.core import layout as lay
-from zero1_jax.inspect import gpu, schedule as sc
+from zero1_jax.inspect import gpu, hlo_graph, schedule as sc
 
 MODEL, BUCKET = "small-bert", 1 << 20
 FORMS = ("train_step", "zero2", "engine", "jit_vg")
@@ -61,9 +61,18 @@ def test_every_collective_is_async_and_reduce_scatters_start_under_the_backward(
     compiled, form):
   c, schedule = compiled[form, "fp32"]
   text = c.as_text()
-  for kind in ("reduce-scatter", "all-gather", "all-reduce"):
-    sync = [l for l in text.splitlines() if f" {kind}(" in l and "=" in l]
-    assert not sync, (form, kind, sync[:1])
+  # jax 0.12's XLA turns a collective with nothing to run beside into a
+  # synchronous one: tiny ones (a 62 KB gather of the packed small leaves,
+  # the loss's scalar all-reduce) and the first gather of the step, which
+  # the forward's first layer waits for. jax 0.10.2's keeps all async.
+  def sync(kind, min_bytes=0):
+    return [l for l in text.splitlines() if f" {kind}(" in l and "=" in l
+            and hlo_graph.shape_bytes(l.split("=", 1)[1].split(kind)[0]) >= min_bytes]
+  newer = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+  assert not sync("reduce-scatter"), (form, sync("reduce-scatter")[:1])
+  assert not sync("all-reduce", 1 << 20 if newer else 0), form
+  assert len(sync("all-gather", 1 << 20 if newer else 0)) <= (
+      newer and form != "jit_vg"), form
   windows = sc.summary(schedule).collectives
   rs = [w for w in windows if w.kind == "reduce-scatter"]
   assert len(rs) > 4, form   # grouped, not one reduce-scatter after the backward
