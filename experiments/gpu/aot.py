@@ -58,9 +58,11 @@ DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 MODELS = {
     "bert-base": (lambda dt: bert.make_config("bert-base-uncased", 30522, 128, dt), 8, 128),
     "gpt2": (lambda dt: gpt.make_config("gpt2", 50257, 1024, dt), 2, 1024),
-    # small enough for tests/test_gpu_aot.py (3.7M params, ~10 s a compile)
+    # small enough for tests/test_gpu_aot.py (3.7M params, ~10 s a compile);
+    # 2050 rows, as BERT-base's 30522 and GPT-2's 50257 do not divide by 8:
+    # the table is split on its columns, and its lookups read the blocks
     "small-bert": (lambda dt: bert.make_config(
-        "bert-tiny", 2048, 128, dt, num_layers=4, hidden_size=256, num_heads=4,
+        "bert-tiny", 2050, 128, dt, num_layers=4, hidden_size=256, num_heads=4,
         intermediate_size=1024), 32, 128),
 }
 
@@ -115,6 +117,7 @@ def ds_json(dtype: str, stage: int, bucket_bytes: int | None = None) -> dict:
 def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
   """The form's step lowered for ``mesh`` on abstract arguments
   (``zero1_kw``: more keywords for z1.zero1 / z1.zero2)."""
+  step_kw = {k: zero1_kw.pop(k) for k in ("shard_lookups",) if k in zero1_kw}
   shapes, loss_fn, per_device, seq = model(name, dtype)
   n = mesh.shape["data"]
   key = "input_ids"
@@ -156,7 +159,8 @@ def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
   else:
     tx = (z1.zero2 if form == "zero2" else z1.zero1)(optimizer(), axis_name="data",
                                                      **zero1_kw)
-    step = z1.train_step(loss_fn, tx, mesh) if form in ("train_step", "zero2") else None
+    step = (z1.train_step(loss_fn, tx, mesh, **step_kw)
+            if form in ("train_step", "zero2") else None)
   state = with_shardings(jax.eval_shape(lambda p: z1.init(tx, p, mesh)[1], shapes),
                          z1.state_shardings(tx, shapes, mesh))
   if step is not None:
@@ -251,13 +255,17 @@ def main(argv=None) -> None:
   ap.add_argument("--gpu", default="h100", choices=sorted(gpu.GPUS))
   ap.add_argument("--out", default=None, help="directory for gpu_aot.json / .md")
   ap.add_argument("--tables", nargs="*", default=None,
-                  help="only write the tables of these gpu_aot.json files (merged)")
+                  help="only write the tables of these gpu_aot.json files (merged; a later "
+                       "file's row replaces an earlier one's)")
   a = ap.parse_args(argv)
   rows = []
-  if a.tables is not None:
+  if a.tables is not None:   # a later file's row replaces an earlier one's
+    merged = {}
     for path in a.tables:
       with open(path) as f:
-        rows += json.load(f)
+        merged.update({(r["model"], r["dtype"], r["gpus"], r["form"],
+                        r.get("gpu")): r for r in json.load(f)})
+    rows = list(merged.values())
     a.models = a.dtypes = a.gpus = a.forms = ""
   for m in filter(None, a.models.split(",")):
     for dt in filter(None, a.dtypes.split(",")):

@@ -54,7 +54,8 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
           param_axes: Any = None, extra_args: dict | None = None,
           as_updates: bool = False, order: Sequence[int] | None = None,
           platform: str | None = None, shards_in: dict | None = None,
-          shard_out: Sequence[int] = ()) -> tuple[Any, Zero1State, StepInfo]:
+          shard_out: Sequence[int] = (), reduced_extra: dict | None = None
+          ) -> tuple[Any, Zero1State, StepInfo]:
   """``(new params, new state, StepInfo)`` from ``grads`` (what they are:
   ``grads_are``, :mod:`.grad_reduce`); ``as_updates``: optax's updates
   instead of the new params.
@@ -67,7 +68,9 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
   ``inplace_bytes="auto"``; ``shards_in``: {leaf: this device's shard} of
   leaves stored sharded, read as their master where none is stored;
   ``shard_out``: leaves returned as this device's new shard (in the param
-  dtype) instead of gathered.
+  dtype) instead of gathered; ``reduced_extra``: {leaf: a part of its
+  gradient summed over every device already, this device's shard} added to
+  the reduced sums (row lookups served from stored shards, :mod:`.lookup`).
   """
   if grads_are == SHARDS:   # z1.value_and_grad's: reduced in the backward
     grads_are, pre_reduced = LOCAL, True
@@ -80,7 +83,10 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
 
   # 1. Reduce (unless the backward did: pre_reduced).
   sums, packed = reduce.reduce(g_leaves, layout, plan.reduce_buckets, cfg,
-                               grads_are, pre_reduced)
+                               grads_are, pre_reduced,
+                               in_order=platform not in (None, "cpu"))
+  if reduced_extra:
+    sums, packed = reduce.add_reduced(sums, packed, reduced_extra)
   # 2. Norm, clip, overflow: one divisor. jit's gradients are of the global
   # mean loss already: no 1/N there.
   scale = state.loss_scale.scale

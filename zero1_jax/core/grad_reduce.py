@@ -48,12 +48,14 @@ def local_shards(grads: Sequence, layout: lay.Layout, axis_name: str
 
 def reduce(grads: Sequence, layout: lay.Layout,
            buckets: Sequence[lay.Bucket], cfg: Zero1Config, grads_are: str,
-           pre_reduced: bool) -> tuple[dict[int, jax.Array], list]:
+           pre_reduced: bool, in_order: bool = False
+           ) -> tuple[dict[int, jax.Array], list]:
   """``({leaf: this device's summed shard, in its master dtype}, packed)``:
   ``packed`` lists each packed bucket's summed piece and the leaves it
   covers (:class:`.collectives.Reduced`), for the norm to read in one pass.
   ``pre_reduced``: ``grads`` are summed shards already (stage 2, or
-  :data:`SHARDS`)."""
+  :data:`SHARDS`); ``in_order``: the buckets' groups reduced one after
+  another in the planned order (:func:`.collectives.reduce_scatter`)."""
   axis, n = cfg.axis_name, layout.num_shards
   packed = []
   all_reduce = cfg.reduce == "all_reduce"
@@ -71,10 +73,23 @@ def reduce(grads: Sequence, layout: lay.Layout,
     pre = grads_are == LOCAL
     reduced, packed = col.reduce_scatter(grads, layout, buckets, axis,
                                          all_reduce=all_reduce,
-                                         predivide_fp16=pre)
+                                         predivide_fp16=pre,
+                                         in_order=in_order)
     reduced.update(col.psum_replicated(grads, layout, axis,
                                        all_reduce=all_reduce,
                                        predivide_fp16=pre))
   return ({i: v.astype(lay.master_dtype(layout.leaves[i].dtype,
                                         cfg.master_dtype))
            for i, v in reduced.items()}, packed)
+
+
+def add_reduced(sums: dict[int, jax.Array], packed: list,
+                extra: dict[int, jax.Array]) -> tuple[dict, list]:
+  """``sums`` with ``extra`` ({leaf: a part of its gradient summed over every
+  device already, this device's shard}) added; packed buckets that hold
+  such a leaf no longer stand for its sum (the norm then reads their leaves
+  one by one)."""
+  out = dict(sums)
+  for i, v in extra.items():
+    out[i] = out[i] + v.reshape(out[i].shape).astype(out[i].dtype)
+  return out, [p for p in packed if not set(p[1]) & set(extra)]

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import jax
 
+from zero1_jax.core import lookup
+
 try:   # jax >= 0.4.3x
   from jax.experimental.xla_metadata import set_xla_metadata as _set_metadata
 except ImportError:   # pragma: no cover - older jax: no tags, XLA's default combining
@@ -47,16 +49,20 @@ def _subjaxprs(eqn) -> list:
   return out
 
 
-def _reads(jaxpr, positions: dict, counter: list, seen: dict) -> None:
+def _reads(jaxpr, positions: dict, counter: list, seen: dict,
+           lookups: frozenset = frozenset()) -> None:
   """Visits equations in order; ``seen[var] = step`` when a traced var that
-  stands for a parameter leaf is first read (into sub-jaxprs too)."""
+  stands for a parameter leaf is first read (into sub-jaxprs too). A row
+  lookup of a ``lookups`` leaf is no read: it reads the leaf's stored shard
+  (:mod:`.lookup`)."""
   for eqn in jaxpr.eqns:
     step = counter[0]
     counter[0] += 1
     subs = _subjaxprs(eqn)
     for k, v in enumerate(eqn.invars):
       leaf = None if type(v).__name__ == "Literal" else positions.get(v)
-      if leaf is None:
+      if leaf is None or (k == 0 and leaf in lookups
+                          and lookup.is_row_lookup(eqn)):
         continue
       if not subs:
         seen.setdefault(leaf, step)
@@ -67,22 +73,24 @@ def _reads(jaxpr, positions: dict, counter: list, seen: dict) -> None:
         n_in = len(sub.invars)
         off = len(eqn.invars) - n_in
         if 0 <= k - off < n_in:
-          _reads(sub, {sub.invars[k - off]: leaf}, counter, seen)
+          _reads(sub, {sub.invars[k - off]: leaf}, counter, seen, lookups)
         else:
           seen.setdefault(leaf, step)
 
 
-def first_reads(fn: Callable, params: Any, *args: Any) -> tuple[int, ...]:
+def first_reads(fn: Callable, params: Any, *args: Any,
+                lookups: frozenset = frozenset()) -> tuple[int, ...]:
   """Indices of ``params``' leaves (``jax.tree.leaves`` order) sorted by
   where ``fn(params, *args)`` first reads them; leaves it never reads last,
-  in tree order. ``params`` and ``args`` may be abstract."""
+  in tree order. ``params`` and ``args`` may be abstract. ``lookups``: leaves
+  whose row lookups read their stored shard (:mod:`.lookup`), not them."""
   leaves, treedef = jax.tree.flatten(params)
   closed = jax.make_jaxpr(lambda p, *a: fn(treedef.unflatten(p), *a))(
       leaves, *args)
   jaxpr = closed.jaxpr
   positions = {v: i for i, v in enumerate(jaxpr.invars[:len(leaves)])}
   seen: dict[int, int] = {}
-  _reads(jaxpr, positions, [0], seen)
+  _reads(jaxpr, positions, [0], seen, frozenset(lookups))
   never = len(jaxpr.eqns) * 10 + 1
   return tuple(sorted(range(len(leaves)), key=lambda i: (seen.get(i, never), i)))
 

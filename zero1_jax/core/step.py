@@ -39,6 +39,7 @@ from zero1_jax.core.batch import batch_size
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
 from zero1_jax.core import layout as lay
+from zero1_jax.core import lookup
 from zero1_jax.core import one_device
 from zero1_jax.core import order as ordering
 from zero1_jax.core import param_axes as pax
@@ -138,9 +139,14 @@ def _explicit(mesh) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
-def _local_grad_fn(loss_fn: Callable, params: Any, axis: str) -> Callable:
-  """Stage 1: ``f(batch) -> (full local gradients, aux)``, unreduced."""
-  grad_fn = jax.grad(loss_fn, has_aux=True, allow_int=True)
+def _local_grad_fn(loss_fn: Callable, params: Any, axis: str,
+                   tables: dict | None = None) -> Callable:
+  """Stage 1: ``f(batch) -> (full local gradients, aux)``, unreduced. With
+  ``tables`` ({leaf: this device's column block}, :mod:`.lookup`),
+  ``loss_fn(params, tables, batch)`` and the gradients ``(of params, of
+  tables)``: the tables' already summed over every device's tokens."""
+  grad_fn = jax.grad(loss_fn, argnums=(0, 1) if tables else 0, has_aux=True,
+                     allow_int=True)
   # Differentiate w.r.t. a varying view of the replicated params: the
   # gradients stay local and unreduced (under check_vma, the gradient of an
   # invariant input would be psum'd for us); zero1 reduces them itself.
@@ -149,11 +155,14 @@ def _local_grad_fn(loss_fn: Callable, params: Any, axis: str) -> Callable:
       if jnp.issubdtype(x.dtype, jnp.inexact) else x, params)
 
   def f(batch):
-    g, aux = grad_fn(local, batch)
+    if tables:
+      (g, g_tables), aux = grad_fn(local, tables, batch)
+    else:
+      g, aux = grad_fn(local, batch)
     g = jax.tree.map(   # integer leaves: float0 -> zeros, never used
         lambda g, p: g if jnp.issubdtype(p.dtype, jnp.inexact)
         else jnp.zeros(p.shape, p.dtype), g, params)
-    return g, aux
+    return ((g, g_tables) if tables else g), aux
 
   return f
 
@@ -161,7 +170,8 @@ def _local_grad_fn(loss_fn: Callable, params: Any, axis: str) -> Callable:
 def train_step(loss_fn: Callable, tx: Zero1Transformation,
                mesh: jax.sharding.Mesh, *, grad_accum_steps: int = 1,
                has_aux: bool = False, donate: bool = True,
-               shard_params: bool | str = "auto") -> Callable:
+               shard_params: bool | str = "auto",
+               shard_lookups: bool | str = "auto") -> Callable:
   """A jitted ZeRO-1 (or ZeRO-2) step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
   Args:
@@ -187,6 +197,13 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       TPU), False on CPU, which runs them in turn (nothing to gain, and the
       CPU programs stay those the tests pin). On a mesh with model axes the
       params are returned as they came.
+    shard_lookups: with ``shard_params``, a 2-D leaf stored split on its
+      columns that the loss reads by rows (an embedding, ``table[ids]``)
+      serves those lookups from each device's block (:mod:`.lookup`): its
+      gather is then needed only by other reads (a tied output layer), and
+      the lookups' gradient arrives reduced, with no reduce-scatter at the
+      end of the backward. The same rows; that gradient's sum in another
+      order. ``"auto"``: as ``shard_params`` resolves.
 
   Returns:
     The ``jax.jit`` function (``.lower(...).compile()`` works), behind a thin
@@ -196,7 +213,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     ``loss`` (mean over the global batch), ``grad_norm`` (global, before
     clipping), ``skipped`` (overflow: nothing changed), ``loss_scale``.
   """
-  s = _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux, shard_params)
+  s = _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux, shard_params,
+                shard_lookups)
   storage = Storage(tx, mesh, s.n, s.shard_params)
 
   def step(params, opt_state, batch, pa):
@@ -231,10 +249,11 @@ class _Settings(NamedTuple):
   platform: str        # the mesh's devices' ('cpu', 'gpu', 'tpu')
   stage2: bool         # gradients reduce-scattered in the backward (zero2)
   shard_params: bool   # params kept as shards between steps
+  lookups: bool        # row lookups of stored tables read their blocks
 
 
 def _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux,
-              shard_params) -> _Settings:
+              shard_params, shard_lookups="auto") -> _Settings:
   n = zsh.axis_size(tx, mesh, "z1.train_step")
   accum = int(grad_accum_steps)
   if accum < 1:
@@ -245,26 +264,40 @@ def _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux,
   elif shard_params not in (True, False):
     raise ValueError(f"shard_params must be True, False or 'auto', got "
                      f"{shard_params!r}")
+  stage2 = tx.config.stage == 2
+  if shard_lookups == "auto":
+    shard_lookups = shard_params
+  elif shard_lookups not in (True, False):
+    raise ValueError(f"shard_lookups must be True, False or 'auto', got "
+                     f"{shard_lookups!r}")
+  elif shard_lookups and not shard_params:
+    raise ValueError("shard_lookups=True reads row lookups from the params' "
+                     "stored shards: it needs shard_params=True")
   return _Settings(loss_fn, tx, mesh, n, tx.config.axis_name, accum, has_aux,
-                   platform, tx.config.stage == 2, shard_params)
+                   platform, stage2, shard_params, shard_lookups)
 
 
-def _local_grads(s: _Settings, params, scale, batch, order=None):
+def _local_grads(s: _Settings, params, scale, batch, order=None, tables=None):
   """This device's gradients (stage 2: its reduced shards) summed over the
-  micro-batches, with the loss and aux summed likewise."""
+  micro-batches, with the loss and aux summed likewise; and the gradients of
+  ``tables`` ({leaf: this device's column block whose row lookups it
+  serves}, :mod:`.lookup`), summed over every device's tokens already."""
   accum = s.accum
+  first = jax.tree.map(lambda x: x[0], batch)
+  loss_of = (lookup.rewrite(s.loss_fn, params, first, leaves=tables,
+                            axis=s.axis) if tables else s.loss_fn)
 
-  def scaled_loss(p, mb):
-    loss, aux = chk.split_loss(s.loss_fn(p, mb), s.has_aux)
+  def scaled_loss(*a):
+    loss, aux = chk.split_loss(loss_of(*a), s.has_aux)
     return (loss * scale.astype(loss.dtype) / accum).astype(loss.dtype), (loss, aux)
 
   if s.stage2:
     # Each leaf's gradient is reduce-scattered as the backward produces
     # it: g holds this device's summed 1/N shards (None at static leaves).
     grad_fn = zero2.reduced_grad_fn(scaled_loss, params, s.tx.config, s.n,
-                                    order, s.platform)
+                                    order, s.platform, tables)
   else:
-    grad_fn = _local_grad_fn(scaled_loss, params, s.axis)
+    grad_fn = _local_grad_fn(scaled_loss, params, s.axis, tables)
 
   def micro(carry, mb):
     g, (loss, aux) = grad_fn(mb)
@@ -274,7 +307,6 @@ def _local_grads(s: _Settings, params, scale, batch, order=None):
     return (jax.tree.map(jnp.add, g0, g), l0 + loss,
             jax.tree.map(jnp.add, a0, aux))
 
-  first = jax.tree.map(lambda x: x[0], batch)
   if accum == 1:
     carry = micro(None, first)
   else:
@@ -287,11 +319,12 @@ def _local_grads(s: _Settings, params, scale, batch, order=None):
                          jax.eval_shape(micro, None, first))
     carry, _ = jax.lax.scan(lambda c, mb: (micro(c, mb), None), zeros, batch)
   grads, loss, aux = carry
+  grads, g_tables = grads if tables else (grads, {})
   metrics = {"loss": jax.lax.pmean(loss / accum, s.axis)}
   if s.has_aux:
     metrics["aux"] = jax.lax.pmean(jax.tree.map(lambda a: a / accum, aux),
                                    s.axis)
-  return grads, metrics
+  return grads, g_tables, metrics
 
 
 def _with_info(s: _Settings, metrics, info):
@@ -300,7 +333,7 @@ def _with_info(s: _Settings, metrics, info):
           **({"aux": metrics["aux"]} if s.has_aux else {})}
 
 
-def _read_order(s: _Settings, params, batch):
+def _read_order(s: _Settings, params, batch, lookups=frozenset()):
   """The leaves in the order the loss first reads them (core/order.py);
   None (tree order) on CPU, which neither combines nor overlaps
   collectives: its programs (and their rounding, which the CPU tests pin
@@ -310,21 +343,43 @@ def _read_order(s: _Settings, params, batch):
   mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (x.shape[1] // s.n,) + x.shape[2:], x.dtype), batch)
   return ordering.first_reads(
-      lambda p, b: chk.split_loss(s.loss_fn(p, b), s.has_aux)[0], params, mb)
+      lambda p, b: chk.split_loss(s.loss_fn(p, b), s.has_aux)[0], params, mb,
+      lookups=lookups)
+
+
+def _lookups(s: _Settings, params, batch, keep) -> frozenset[int]:
+  """The stored leaves whose row lookups read their blocks (:mod:`.lookup`):
+  2-D, split on the columns, not fp16 (whose sums travel pre-divided)."""
+  if not s.lookups:
+    return frozenset()
+  layout = lay.plan(params, s.n)
+  candidates = [i for i in keep if layout.leaves[i].dim == 1
+                and len(layout.leaves[i].shape) == 2
+                and layout.leaves[i].dtype != jnp.float16]
+  if not candidates:
+    return frozenset()
+  mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (x.shape[1] // s.n,) + x.shape[2:], x.dtype), batch)
+  return lookup.find(lambda p, b: chk.split_loss(s.loss_fn(p, b),
+                                                 s.has_aux)[0],
+                     params, mb, candidates=candidates)
 
 
 def _per_device(s: _Settings, storage: Storage, params,
-                opt_state: Zero1State, batch, full, order, keep):
+                opt_state: Zero1State, batch, full, keep, lookups, order):
   """One step on one device (1-D mesh): stored shards gathered, local
-  gradients, ``tx.apply`` (the ``keep`` leaves returned as shards)."""
+  gradients (row lookups of stored tables from their blocks), ``tx.apply``
+  (the ``keep`` leaves returned as shards)."""
   blocks = {}
   if keep:   # the stored shards, gathered in the order the forward reads them
     params, blocks = storage.gather(params, full, order, keep, s.platform)
-  grads, metrics = _local_grads(s, params, opt_state.loss_scale.scale, batch,
-                                order)
+  grads, g_tables, metrics = _local_grads(
+      s, params, opt_state.loss_scale.scale, batch, order,
+      {i: blocks[i] for i in lookups})
   new_params, new_state, info = s.tx.apply(
       grads, opt_state, params, pre_reduced=s.stage2, order=order,
-      platform=s.platform, shards_in=blocks, shard_out=keep)
+      platform=s.platform, shards_in=blocks, shard_out=keep,
+      reduced_extra=g_tables)
   return new_params, new_state, _with_info(s, metrics, info)
 
 
@@ -340,9 +395,11 @@ def _step_1d(s: _Settings, storage: Storage, params, opt_state, batch):
   keep = (stored_leaves(lay.plan(full, s.n)) if s.shard_params
           else frozenset())
   p_specs = stored_specs(s.tx, full, s.n) if keep else rep
+  lookups = _lookups(s, full, batch, keep)
+  order = _read_order(s, full, batch, lookups)
   f = _shard_map(
-      lambda p, st, b: _per_device(s, storage, p, st, b, full,
-                                   _read_order(s, full, batch), keep),
+      lambda p, st, b: _per_device(s, storage, p, st, b, full, keep, lookups,
+                                   order),
       s.mesh, (p_specs, specs, b_specs), (p_specs, specs, P()))
   return f(params, opt_state, batch)
 
@@ -359,7 +416,7 @@ def _step_2d(s: _Settings, params, opt_state, batch, pa):
   b_specs = jax.tree.map(lambda _: P(None, axis), batch)
   rep = zsh.replicated(params)
   grads, metrics = empty_leaves.shard_map(
-      lambda p, sc, b: (lambda g, m: (
+      lambda p, sc, b: (lambda g, _, m: (
           jax.tree.map(lambda x: x[None], g), m))(*_local_grads(s, p, sc, b)),
       mesh=mesh, in_specs=(rep, P(), b_specs), out_specs=(
           jax.tree.map(lambda _: P(axis), params), P()),

@@ -194,7 +194,8 @@ def _tags(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config
 
 def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
                     n: int, order: Sequence[int] | None = None,
-                    platform: str | None = None) -> Callable:
+                    platform: str | None = None,
+                    tables: dict | None = None) -> Callable:
   """``f(batch) -> (grads, aux)`` for ``jax.grad(loss_fn, has_aux=True)``
   with every leaf's gradient reduced in the backward pass
   (:func:`hook_groups` says which leaves share a collective).
@@ -202,7 +203,9 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
   ``grads`` has ``params``' structure: this device's shard (``shard_shape``)
   of the gradient summed over the axis at SHARD leaves, the summed scalar at
   REPLICATE leaves, None at STATIC leaves. Runs inside shard_map.
-  ``order`` / ``platform``: as :func:`hook_groups`'s.
+  ``order`` / ``platform``: as :func:`hook_groups`'s. With ``tables``
+  ({leaf: this device's column block}, :mod:`.lookup`): ``loss_fn(params,
+  tables, batch)``, and ``grads`` is ``(grads, tables' gradients)``.
   """
   layout = lay.plan(params, n)
   p_leaves = jax.tree.leaves(params)
@@ -215,21 +218,26 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
                              cfg.reduce == "all_reduce", key))
     slots.append(tuple(jnp.zeros(s.shard_shape, dt) for s in specs))
 
-  def through_hooks(slots, batch):
+  def through_hooks(slots, *args):
     hooked = list(p_leaves)
     for idx, h, s in zip(groups, hooks, slots):
       for i, p in zip(idx, h(tuple(p_leaves[i] for i in idx), s)):
         hooked[i] = p
-    return loss_fn(layout.treedef.unflatten(hooked), batch)
+    return loss_fn(layout.treedef.unflatten(hooked), *args)
 
-  grad = jax.grad(through_hooks, has_aux=True)
+  grad = jax.grad(through_hooks, argnums=(0, 1) if tables else 0,
+                  has_aux=True)
 
   def f(batch):
-    g_slots, aux = grad(slots, batch)
+    if tables:
+      (g_slots, g_tables), aux = grad(slots, tables, batch)
+    else:
+      g_slots, aux = grad(slots, batch)
     g = [None] * len(p_leaves)
     for idx, gs in zip(groups, g_slots):
       for i, x in zip(idx, gs):
         g[i] = x
-    return layout.treedef.unflatten(g), aux
+    g = layout.treedef.unflatten(g)
+    return ((g, g_tables) if tables else g), aux
 
   return f
