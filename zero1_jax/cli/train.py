@@ -42,11 +42,43 @@ def _setup(args):
     jax = common.start_jax(args.num_devices)
   from zero1_jax import data
   from zero1_jax.models import bert
-  from zero1_jax.deepspeed import config as zconfig
-  from zero1_jax import distributed
   from zero1_jax.deepspeed import engine as zengine
+  from zero1_jax.deepspeed import tx as ds_tx
   from zero1_jax.core import one_device
 
+  mesh, multi, main = _join(jax, args)
+  cfg = _load_config(args, mesh)
+  dtype = ds_tx.compute_dtype(cfg) or jax.numpy.float32
+  mcfg = bert.make_config(args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
+                          max_len=args.seq_len, dtype=dtype)
+  resume = resume_flag.wanted(args, os.path.join(args.output_dir,
+                                                 "checkpoints"))
+  init = lambda key: bert.init_params(mcfg, key)
+  from zero1_jax.cli import memory   # imports jax: after start_jax
+  est = memory.check(mcfg, init, cfg, mesh, args.seq_len,
+                     model=args.model_name_or_path,
+                     ignore=args.ignore_memory_estimate,
+                     pinned=config_flags.pinned_batch_keys(args.deepspeed))
+  common.release_notes()
+  if main:
+    _announce(args, mesh, multi, jax.default_backend())
+  params = init(jax.random.key(args.seed))
+  batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
+                            cfg.train_batch_size, seed=args.seed)
+  from zero1_jax.deepspeed import memory_log
+  # a lone CPU: _one_cpu_device_note says it; the memory lines: run() prints
+  # them on every process, with the estimate
+  with warnings.catch_warnings(), memory_log.quiet():
+    warnings.simplefilter("ignore", one_device.OneDeviceWarning)
+    engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
+  engine.steps_per_print = None     # _train prints its own step lines
+  return engine, batches, main, resume, est
+
+
+def _join(jax, args):
+  """Joins the job (jax.distributed; a lone process: nothing) and builds the
+  data mesh. Returns ``(mesh, multi, main)``: several processes? process 0?"""
+  from zero1_jax import distributed
   try:   # it swallows SIGTERM (a TPU preemption notice): mpirun's, scancel's
     jax.config.update("jax_enable_preemption_service", False)
   except (AttributeError, KeyError):   # another jax: none to turn off
@@ -64,6 +96,15 @@ def _setup(args):
   main = distributed.is_main_process()
   if not main:    # the config notes: once per job
     logging.getLogger("zero1_jax").setLevel(logging.WARNING)
+  return mesh, multi, main
+
+
+def _load_config(args, mesh):
+  """The DeepSpeed JSON with the flags applied (config_flags.load); its
+  no-effect notes said in one line, once every check has passed."""
+  from zero1_jax import data
+  from zero1_jax.models import bert
+  from zero1_jax.deepspeed import config as zconfig
   notes = reports.NoEffectNotes()   # the per-key notes, said in one line
   log.addFilter(notes)
   try:
@@ -86,45 +127,25 @@ def _setup(args):
     log.removeFilter(notes)
   if notes.summary():   # held like the others until every check passed
     log.info("%s", notes.summary())
-  dtype = zengine.compute_dtype(cfg) or jax.numpy.float32
-  mcfg = bert.make_config(args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
-                          max_len=args.seq_len, dtype=dtype)
-  resume = resume_flag.wanted(args, os.path.join(args.output_dir,
-                                                 "checkpoints"))
-  init = lambda key: bert.init_params(mcfg, key)
-  from zero1_jax.cli import memory   # imports jax: after start_jax
-  est = memory.check(mcfg, init, cfg, mesh, args.seq_len,
-                     model=args.model_name_or_path,
-                     ignore=args.ignore_memory_estimate,
-                     pinned=config_flags.pinned_batch_keys(args.deepspeed))
-  common.release_notes()
-  if main:
-    if args.overwrite_output_dir:
-      gone = rundir.clear(args.output_dir)
-      if gone:
-        print(f"[zero1-train] --overwrite_output_dir: removed the earlier "
-              f"run's {', '.join(gone)} from {args.output_dir}", flush=True)
-    print(f"[zero1-train] {args.model_name_or_path}: architecture only, "
-          f"weights start random (nothing is downloaded); outputs go to "
-          f"{args.output_dir}", flush=True)
-    note = _one_cpu_device_note(mesh.size, args.num_devices, multi,
-                                jax.default_backend())
-    if note:
-      print(note, flush=True)
-  if main:
-    print("[zero1-train] initialising the parameters, checking the optimizer "
-          "on their shards and sharding its state...", flush=True)
-  params = init(jax.random.key(args.seed))
-  batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
-                            cfg.train_batch_size, seed=args.seed)
-  from zero1_jax.deepspeed import memory_log
-  # a lone CPU: _one_cpu_device_note says it; the memory lines: run() prints
-  # them on every process, with the estimate
-  with warnings.catch_warnings(), memory_log.quiet():
-    warnings.simplefilter("ignore", one_device.OneDeviceWarning)
-    engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
-  engine.steps_per_print = None     # _train prints its own step lines
-  return engine, batches, main, resume, est
+  return cfg
+
+
+def _announce(args, mesh, multi: bool, backend: str) -> None:
+  """Process 0's lines before the parameters exist: the earlier run removed
+  (--overwrite_output_dir), what trains and where, a lone CPU device."""
+  if args.overwrite_output_dir:
+    gone = rundir.clear(args.output_dir)
+    if gone:
+      print(f"[zero1-train] --overwrite_output_dir: removed the earlier "
+            f"run's {', '.join(gone)} from {args.output_dir}", flush=True)
+  print(f"[zero1-train] {args.model_name_or_path}: architecture only, "
+        f"weights start random (nothing is downloaded); outputs go to "
+        f"{args.output_dir}", flush=True)
+  note = _one_cpu_device_note(mesh.size, args.num_devices, multi, backend)
+  if note:
+    print(note, flush=True)
+  print("[zero1-train] initialising the parameters, checking the optimizer "
+        "on their shards and sharding its state...", flush=True)
 
 
 def run(args: argparse.Namespace) -> dict | None:
