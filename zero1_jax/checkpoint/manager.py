@@ -25,21 +25,20 @@ caller's JSON). See ``docs/checkpoint.md`` and :mod:`zero1_jax.checkpoint.reshar
 A step is loaded only once committed (:mod:`.steps`): orbax writes into a
 temporary directory and renames it (or, on object stores, writes
 ``commit_success.txt`` last); steps without a commit marker are never listed
-or loaded.
+or loaded. Before a restore reads a step, its files are checked against the
+list its save recorded (:mod:`.step_files`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 
-from zero1_jax.checkpoint import lifecycle, reshard, steps
+from zero1_jax.checkpoint import lifecycle, reshard, step_files, steps
 from zero1_jax.checkpoint.lifecycle import quiet_failed_reads
 from zero1_jax.checkpoint.reshard import (CheckpointError, CheckpointMismatchError,
                                           CheckpointSaveError,
@@ -52,10 +51,6 @@ __all__ = ["Checkpointer", "CheckpointError", "CheckpointMismatchError",
            "CheckpointSaveError", "UnreadableCheckpointError"]
 
 log = logging.getLogger(__name__)
-
-_FILES = "zero1_files.json"      # every file of a committed step and its size
-_REQUIRED = {"params": "_METADATA", "state": "_METADATA", "meta": "metadata",
-             "extra": "metadata"}
 
 
 class Checkpointer:
@@ -198,10 +193,7 @@ class Checkpointer:
       if not path.is_dir():      # removed by max_to_keep
         self._unrecorded.discard(step)
       elif steps.is_committed(path):
-        if jax.process_index() == 0:
-          tmp = path / (_FILES + ".tmp")
-          tmp.write_text(json.dumps(reshard.files_of(path, _FILES), indent=0))
-          tmp.rename(path / _FILES)
+        step_files.record(path)
         self._unrecorded.discard(step)
 
   def wait(self) -> None:
@@ -242,65 +234,6 @@ class Checkpointer:
 
   # -- restore --------------------------------------------------------------
 
-  def _step_path(self, step: int) -> epath.Path:
-    """The committed, complete directory of ``step``, else a clear error."""
-    path = steps.step_dirs(self.directory).get(step)
-    where = f"zero1 checkpoint: step {step} in {self.directory}"
-    if path is None:
-      tmp = [p.name for p in self.directory.iterdir()
-             if p.name.startswith(f"{step}.") and "tmp" in p.name] \
-          if self.directory.is_dir() else []
-      if tmp:
-        raise UnreadableCheckpointError(
-            f"{where} is an unfinished save ({tmp[0]}); it is never loaded")
-      raise UnreadableCheckpointError(
-          f"{where} not found (committed steps: {self.all_steps()})")
-    if not steps.is_committed(path):
-      raise UnreadableCheckpointError(
-          f"{where} was never committed (no {step}/{steps.COMMIT}): an interrupted "
-          f"save; it is never loaded")
-    if not any((path / item).exists() for item in _REQUIRED):
-      items = sorted(p.name for p in path.iterdir() if p.is_dir())
-      raise UnreadableCheckpointError(
-          f"{where} is not a zero1_jax checkpoint (it holds {items}: written "
-          f"by orbax itself?); zero1_jax.checkpoint reads what its "
-          f"Checkpointer.save wrote. Restore this one with orbax at the N it "
-          f"was saved at; if it is an optax run's optimizer state, restore it "
-          f"against that optax state's template (jax.eval_shape("
-          f"tx.inner.init, params)) and convert it with "
-          f"z1.from_optax_state(tx, optax_state, params), or a flax "
-          f"TrainState checkpoint with z1.flax.restore_checkpoint(ckpt_dir, "
-          f"state). (Restored into zero1's state with partial_restore=True, "
-          f"its moments and counts would start again at 0.)")
-    for item, name in _REQUIRED.items():
-      if not (path / item / name).exists():
-        raise UnreadableCheckpointError(
-            f"{where} is incomplete: file {step}/{item}/{name} is missing")
-    try:
-      saved = json.loads((path / _FILES).read_text())
-    except (OSError, ValueError):
-      return path            # not recorded (saved elsewhere): orbax checks
-    now = reshard.files_of(path, _FILES)
-    for name, size in sorted(saved.items()):
-      if name not in now:
-        raise UnreadableCheckpointError(
-            f"{where} is incomplete: file {step}/{name} is missing")
-      if now[name] != size:
-        raise UnreadableCheckpointError(
-            f"{where} is damaged: file {step}/{name} has {now[name]} bytes, "
-            f"{size} when saved (truncated or overwritten)")
-    return path
-
-  def _read_json(self, step: int, item: str) -> Any:
-    path = self._step_path(step) / item / _REQUIRED[item]
-    try:
-      return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-      raise UnreadableCheckpointError(
-          f"zero1 checkpoint: step {step} in {self.directory} is unreadable: "
-          f"file {step}/{item}/{_REQUIRED[item]} is damaged or truncated "
-          f"({str(e).splitlines()[0]})") from None
-
   def resolve_step(self, step: int | None) -> int:
     """``step``, or the newest committed one (UnreadableCheckpointError: none)."""
     return self._resolve(step)
@@ -311,7 +244,7 @@ class Checkpointer:
 
   def metadata(self, step: int | None = None) -> dict:
     """The manifest of ``step`` (latest): ``num_shards``, ``config``, leaves."""
-    return self._read_json(self._resolve(step), "meta")
+    return step_files.read_json(self.directory, self._resolve(step), "meta")
 
   def _resolve(self, step: int | None) -> int:
     if step is not None:
@@ -325,8 +258,8 @@ class Checkpointer:
 
   def _restore_one(self, step: int, tx, params_template, mesh):
     where = f"zero1 checkpoint: step {step} in {self.directory}"
-    meta = self._read_json(step, "meta")
-    extra = self._read_json(step, "extra")
+    meta = step_files.read_json(self.directory, step, "meta")
+    extra = step_files.read_json(self.directory, step, "extra")
     self.restored_step = step   # which one "latest" / a fallback turned out
     p_t, s_t = reshard.check(meta, tx, params_template, mesh, where)
 

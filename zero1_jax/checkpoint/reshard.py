@@ -352,14 +352,3 @@ def read_error(e: BaseException, root: str) -> str:
     return f"file {os.path.relpath(files[-1], root)} is damaged ({msg[:200]})"
   return msg[:300]
 
-
-def files_of(path, skip: str) -> dict[str, int]:
-  """Size of every file under ``path`` (an ``epath.Path``), by relative name."""
-  out, todo = {}, [path]
-  while todo:
-    for f in todo.pop().iterdir():
-      if f.is_dir():
-        todo.append(f)
-      elif f.name != skip:
-        out[os.path.relpath(str(f), str(path))] = f.stat().length
-  return out

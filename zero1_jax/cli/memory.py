@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from zero1_jax import inspect
 from zero1_jax.cli.common import UsageError, gib
 from zero1_jax.core.transform import Zero1Config
-from zero1_jax.deepspeed import engine as zengine
+from zero1_jax.deepspeed import tx as ds_tx
 
 ACT_BYTES = 200
 
@@ -105,7 +105,7 @@ def check(mcfg, init_fn, cfg, mesh, seq_len: int, *, model: str,
   # On CPU, host and device memory are one: offload saves nothing there.
   offloaded = (cfg.zero.offload_optimizer == "cpu"
                and devices[0].platform != "cpu")
-  zero = dict(stage=zengine.run_stage(cfg), largest_leaf=largest,
+  zero = dict(stage=ds_tx.run_stage(cfg), largest_leaf=largest,
               state_on_device=not offloaded)
   est = _estimate(num_params, mcfg, n, mb, seq_len, **zero)
   cap, source = inspect.capacity(devices)

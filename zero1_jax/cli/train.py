@@ -19,43 +19,9 @@ import time
 import warnings
 
 from zero1_jax.cli import (agreed_stop, common, config_flags, hf_auto,
-                           interrupt, reports, rundir, train_args)
+                           interrupt, reports, resume_flag, rundir, train_args)
 
 log = logging.getLogger("zero1_jax")
-
-
-def _resume_step(args, ckpt_dir: str) -> bool:
-  """Whether --resume has a checkpoint to load. ``latest`` with none is an
-  error (a mistyped --output_dir must not restart training), and so is a
-  finished run that saved none, except after a run that stopped before its
-  first save (its metrics are there, its summary is not)."""
-  if not args.resume:
-    return False
-  if args.resume not in ("latest", "latest-valid"):
-    try:
-      int(args.resume)
-    except ValueError:
-      raise common.UsageError(f"--resume takes latest, latest-valid or a step "
-                              f"number, got {args.resume!r}") from None
-    return True
-  from zero1_jax import checkpoint
-  if os.path.isdir(ckpt_dir) and (
-      checkpoint.committed_steps(ckpt_dir) or args.resume == "latest-valid"):
-    return True
-  if rundir.finished(args.output_dir):
-    raise common.UsageError(
-        f"--resume {args.resume}: the run in {args.output_dir} finished "
-        f"without saving a checkpoint (it had no --save_steps), so there is "
-        f"nothing to continue from. Pass --overwrite_output_dir to run it "
-        f"again, or another --output_dir")
-  if rundir.has_metrics(args.output_dir):
-    print(f"[zero1-train] --resume {args.resume}: the run in {args.output_dir} "
-          f"stopped before its first checkpoint; starting it again from step 0",
-          flush=True)
-    return False
-  raise common.UsageError(
-      f"--resume {args.resume}: no checkpoint in {ckpt_dir} (is --output_dir "
-      f"right?). Drop --resume to start a new run")
 
 
 def _one_cpu_device_note(n: int, num_devices, multi: bool,
@@ -76,11 +42,43 @@ def _setup(args):
     jax = common.start_jax(args.num_devices)
   from zero1_jax import data
   from zero1_jax.models import bert
-  from zero1_jax.deepspeed import config as zconfig
-  from zero1_jax import distributed
   from zero1_jax.deepspeed import engine as zengine
+  from zero1_jax.deepspeed import tx as ds_tx
   from zero1_jax.core import one_device
 
+  mesh, multi, main = _join(jax, args)
+  cfg = _load_config(args, mesh)
+  dtype = ds_tx.compute_dtype(cfg) or jax.numpy.float32
+  mcfg = bert.make_config(args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
+                          max_len=args.seq_len, dtype=dtype)
+  resume = resume_flag.wanted(args, os.path.join(args.output_dir,
+                                                 "checkpoints"))
+  init = lambda key: bert.init_params(mcfg, key)
+  from zero1_jax.cli import memory   # imports jax: after start_jax
+  est = memory.check(mcfg, init, cfg, mesh, args.seq_len,
+                     model=args.model_name_or_path,
+                     ignore=args.ignore_memory_estimate,
+                     pinned=config_flags.pinned_batch_keys(args.deepspeed))
+  common.release_notes()
+  if main:
+    _announce(args, mesh, multi, jax.default_backend())
+  params = init(jax.random.key(args.seed))
+  batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
+                            cfg.train_batch_size, seed=args.seed)
+  from zero1_jax.deepspeed import memory_log
+  # a lone CPU: _one_cpu_device_note says it; the memory lines: run() prints
+  # them on every process, with the estimate
+  with warnings.catch_warnings(), memory_log.quiet():
+    warnings.simplefilter("ignore", one_device.OneDeviceWarning)
+    engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
+  engine.steps_per_print = None     # _train prints its own step lines
+  return engine, batches, main, resume, est
+
+
+def _join(jax, args):
+  """Joins the job (jax.distributed; a lone process: nothing) and builds the
+  data mesh. Returns ``(mesh, multi, main)``: several processes? process 0?"""
+  from zero1_jax import distributed
   try:   # it swallows SIGTERM (a TPU preemption notice): mpirun's, scancel's
     jax.config.update("jax_enable_preemption_service", False)
   except (AttributeError, KeyError):   # another jax: none to turn off
@@ -98,6 +96,15 @@ def _setup(args):
   main = distributed.is_main_process()
   if not main:    # the config notes: once per job
     logging.getLogger("zero1_jax").setLevel(logging.WARNING)
+  return mesh, multi, main
+
+
+def _load_config(args, mesh):
+  """The DeepSpeed JSON with the flags applied (config_flags.load); its
+  no-effect notes said in one line, once every check has passed."""
+  from zero1_jax import data
+  from zero1_jax.models import bert
+  from zero1_jax.deepspeed import config as zconfig
   notes = reports.NoEffectNotes()   # the per-key notes, said in one line
   log.addFilter(notes)
   try:
@@ -120,73 +127,25 @@ def _setup(args):
     log.removeFilter(notes)
   if notes.summary():   # held like the others until every check passed
     log.info("%s", notes.summary())
-  dtype = zengine.compute_dtype(cfg) or jax.numpy.float32
-  mcfg = bert.make_config(args.model_name_or_path, vocab_size=data.VOCAB_SIZE,
-                          max_len=args.seq_len, dtype=dtype)
-  resume = _resume_step(args, os.path.join(args.output_dir, "checkpoints"))
-  init = lambda key: bert.init_params(mcfg, key)
-  from zero1_jax.cli import memory   # imports jax: after start_jax
-  est = memory.check(mcfg, init, cfg, mesh, args.seq_len,
-                     model=args.model_name_or_path,
-                     ignore=args.ignore_memory_estimate,
-                     pinned=config_flags.pinned_batch_keys(args.deepspeed))
-  common.release_notes()
-  if main:
-    if args.overwrite_output_dir:
-      gone = rundir.clear(args.output_dir)
-      if gone:
-        print(f"[zero1-train] --overwrite_output_dir: removed the earlier "
-              f"run's {', '.join(gone)} from {args.output_dir}", flush=True)
-    print(f"[zero1-train] {args.model_name_or_path}: architecture only, "
-          f"weights start random (nothing is downloaded); outputs go to "
-          f"{args.output_dir}", flush=True)
-    note = _one_cpu_device_note(mesh.size, args.num_devices, multi,
-                                jax.default_backend())
-    if note:
-      print(note, flush=True)
-  if main:
-    print("[zero1-train] initialising the parameters, checking the optimizer "
-          "on their shards and sharding its state...", flush=True)
-  params = init(jax.random.key(args.seed))
-  batches = data.MLMBatches(data.load_corpus(args.train_file), args.seq_len,
-                            cfg.train_batch_size, seed=args.seed)
-  from zero1_jax.deepspeed import memory_log
-  # a lone CPU: _one_cpu_device_note says it; the memory lines: run() prints
-  # them on every process, with the estimate
-  with warnings.catch_warnings(), memory_log.quiet():
-    warnings.simplefilter("ignore", one_device.OneDeviceWarning)
-    engine = zengine.initialize(cfg, bert.make_loss_fn(mcfg), params, mesh)
-  engine.steps_per_print = None     # _train prints its own step lines
-  return engine, batches, main, resume, est
+  return cfg
 
 
-def _resume(engine, args, ckpt_dir, main_process=True) -> None:
-  """--resume latest|latest-valid|STEP (checked by _resume_step); process 0
-  says what it resumed (every process loads the same step)."""
-  from zero1_jax import checkpoint
-  tag = None if args.resume in ("latest", "latest-valid") else int(args.resume)
-  try:
-    _, extra = engine.load_checkpoint(
-        ckpt_dir, tag, fallback_to_valid=args.resume == "latest-valid")
-  except checkpoint.UnreadableCheckpointError as e:
-    if args.resume != "latest":
-      raise
-    raise common.UsageError(f"{e}. --resume latest-valid continues from the "
-                            f"newest step that is readable") from None
-  if not main_process:
-    return
-  print(f"[zero1-train] resumed from {ckpt_dir} at step {engine.global_steps} "
-        f"(data position {extra.get('data_step', engine.global_steps)})",
-        flush=True)
-  reports.report_batch_change(engine, args.output_dir)
-  reports.report_unfinished_saves(ckpt_dir)
-  later = [s for s in checkpoint.committed_steps(ckpt_dir)
-           if s > engine.global_steps]
-  if later:
-    print(f"[zero1-train] step {', '.join(map(str, later))} in {ckpt_dir}: "
-          f"from the run before this resume, not continued (once this run "
-          f"saves, --resume latest and zero1-export take its last save; a "
-          f"save at the same step replaces one)", flush=True)
+def _announce(args, mesh, multi: bool, backend: str) -> None:
+  """Process 0's lines before the parameters exist: the earlier run removed
+  (--overwrite_output_dir), what trains and where, a lone CPU device."""
+  if args.overwrite_output_dir:
+    gone = rundir.clear(args.output_dir)
+    if gone:
+      print(f"[zero1-train] --overwrite_output_dir: removed the earlier "
+            f"run's {', '.join(gone)} from {args.output_dir}", flush=True)
+  print(f"[zero1-train] {args.model_name_or_path}: architecture only, "
+        f"weights start random (nothing is downloaded); outputs go to "
+        f"{args.output_dir}", flush=True)
+  note = _one_cpu_device_note(mesh.size, args.num_devices, multi, backend)
+  if note:
+    print(note, flush=True)
+  print("[zero1-train] initialising the parameters, checking the optimizer "
+        "on their shards and sharding its state...", flush=True)
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -199,7 +158,7 @@ def run(args: argparse.Namespace) -> dict | None:
   mem = common.log_memory(engine, est)   # every process: its own ranks
   ckpt_dir = os.path.join(args.output_dir, "checkpoints")
   if resume:
-    _resume(engine, args, ckpt_dir, main_process)
+    resume_flag.load(engine, args, ckpt_dir, main_process)
     if engine.global_steps >= args.max_steps:
       return reports.nothing_to_train(engine, args, ckpt_dir, main_process)
     if main_process:

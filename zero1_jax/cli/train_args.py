@@ -60,9 +60,21 @@ _HF_OPTIMIZER = (
 
 
 def _parser() -> argparse.ArgumentParser:
+  """zero1-train's flags, in the order ``--help`` lists them."""
   p = argparse.ArgumentParser(
       prog="zero1-train", description="Train a Flax BERT-MLM with ZeRO stage 1 "
       "or 2 from a DeepSpeed JSON config.")
+  _training_flags(p)
+  _run_flags(p)
+  _logging_flags(p)
+  _checkpoint_flags(p)
+  _multiprocess_flags(p)
+  return p
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+  """The config, the devices, the model, and the flags that fill or set a
+  key of the JSON (HF Trainer names)."""
   p.add_argument("--deepspeed", required=True, metavar="JSON",
                  help="DeepSpeed config file")
   p.add_argument("--do_train", action="store_true",
@@ -88,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="fp16 on (sets fp16.enabled; fills an 'auto' there)")
   p.add_argument("--bf16", action="store_const", const=True, default=None,
                  help="bf16 on (sets bf16.enabled; fills an 'auto' there)")
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+  """How long, on what data, from which seed, and where the outputs go."""
   p.add_argument("--max_steps", type=int, default=100,
                  help="optimizer steps to run. Default: %(default)s")
   p.add_argument("--seq_len", type=int, default=128,
@@ -104,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--ignore_memory_estimate", action="store_true",
                  help="run even if the step's estimated memory exceeds what "
                  "the devices have")
+
+
+def _logging_flags(p: argparse.ArgumentParser) -> None:
+  """Step lines, the progress bar and the DeepSpeed monitors."""
   p.add_argument("--logging_steps", type=int, default=None,
                  help="print a log line at step 1, every K steps and the last "
                  "(above the progress bar, if any). Default: the JSON's "
@@ -122,6 +142,10 @@ def _parser() -> argparse.ArgumentParser:
                  "tensorboard / csv write (sets the section's output_path; "
                  "job_name ''). Default: OUTPUT_DIR/runs/<time>_<host>, "
                  "the HF Trainer's")
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+  """--save_steps, --save_total_limit, --resume."""
   c = p.add_argument_group("checkpoints (orbax)")
   c.add_argument("--save_steps", type=int, default=0, help="save every K "
                  "optimizer steps (and at the end) to OUTPUT_DIR/checkpoints. "
@@ -132,6 +156,10 @@ def _parser() -> argparse.ArgumentParser:
   c.add_argument("--resume", default=None, metavar="latest|latest-valid|STEP",
                  help="continue from a checkpoint in OUTPUT_DIR/checkpoints; "
                  "latest-valid falls back past a damaged newest one")
+
+
+def _multiprocess_flags(p: argparse.ArgumentParser) -> None:
+  """The job's processes and how they find each other."""
   g = p.add_argument_group("multi-process (jax.distributed)")
   g.add_argument("--num_processes", type=int, default=None,
                  help="processes in the job; without --process_id, spawns "
@@ -145,7 +173,6 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--heartbeat_timeout", type=int, default=100, help="seconds "
                  "before a silent process makes the others fail. "
                  "Default: %(default)s")
-  return p
 
 
 def _typo(p: argparse.ArgumentParser, argv) -> str | None:
