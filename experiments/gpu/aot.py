@@ -18,6 +18,9 @@ partitioner all-reduces the gradients; bf16 params keep an fp32 master, as
 DeepSpeed's bf16 does), ``ddp_nomaster`` (bf16 only: optax straight on the
 bf16 params), ``gspmd`` (optax's state sharded over the data axis, the
 partitioner's collectives), ``train_step`` / ``zero2`` (``z1.train_step``),
+``train_step_gathered`` (``train_step`` with ``shard_lookups=False``: the
+embedding gathered whole before its lookup, the plan before
+core/lookup.py),
 ``engine`` (``z1.initialize``'s step from a DeepSpeed config with
 gradient clipping), ``jit_grad`` (``z1.zero1`` in plain jit after
 ``jax.value_and_grad``) and ``jit_vg`` (after ``z1.value_and_grad``).
@@ -50,8 +53,8 @@ from zero1_jax.deepspeed import config as ds_config  # noqa: E402
 from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
 from zero1_jax.models import bert, gpt  # noqa: E402
 
-FORMS = ("floor", "ddp", "ddp_nomaster", "gspmd", "train_step", "zero2",
-         "engine", "jit_grad", "jit_vg")
+FORMS = ("floor", "ddp", "ddp_nomaster", "gspmd", "train_step",
+         "train_step_gathered", "zero2", "engine", "jit_grad", "jit_vg")
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 # (config, per-device batch, sequence length): BERT-base MLM at 8 x 128
 # tokens a device (the issue's 64 x 128 on 8 GPUs); GPT-2 small at 2 x 1024.
@@ -118,6 +121,8 @@ def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
   """The form's step lowered for ``mesh`` on abstract arguments
   (``zero1_kw``: more keywords for z1.zero1 / z1.zero2)."""
   step_kw = {k: zero1_kw.pop(k) for k in ("shard_lookups",) if k in zero1_kw}
+  if form == "train_step_gathered":
+    form, step_kw = "train_step", {**step_kw, "shard_lookups": False}
   shapes, loss_fn, per_device, seq = model(name, dtype)
   n = mesh.shape["data"]
   key = "input_ids"

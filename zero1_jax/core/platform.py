@@ -41,3 +41,12 @@ def resolve(mesh: Any = None) -> str:
     except (AttributeError, ValueError):   # pragma: no cover - older jax
       found = None
   return found or jax.default_backend()
+
+
+def one_host(mesh: Any) -> bool:
+  """Whether every device of ``mesh`` belongs to one process (host); True
+  when the mesh does not say (an abstract mesh)."""
+  try:
+    return len({d.process_index for d in mesh.devices.flat}) <= 1
+  except (AttributeError, ValueError, TypeError):
+    return True
