@@ -156,6 +156,16 @@ def test_without_shard_lookups_the_table_is_gathered_first(mesh):
   assert ag.overlapped < 0.5 * (ag.end - ag.start)   # mostly exposed
 
 
+def test_lookups_from_blocks_stay_within_one_host(mesh):
+  """``shard_lookups="auto"``: on one host's 8 GPUs, not on 2 hosts' 16,
+  where the rows' all-to-all would reach every peer over the network
+  (lowered only: the plan is in the program jax hands XLA)."""
+  two_hosts = gpu.mesh(16, ("data",), hosts=2)
+  text = lambda m: gpu_aot.lower("train_step", MODEL, "fp32", m).as_text()
+  assert "all_to_all" in text(mesh)
+  assert "all_to_all" not in text(two_hosts)
+
+
 def test_between_steps_a_device_holds_a_1_over_n_share(compiled):
   """train_step's arguments (donated, so also its outputs): the stored
   param shards and the state, 1/N each, against DDP's whole params and
