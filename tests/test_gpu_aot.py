@@ -152,8 +152,13 @@ def test_without_shard_lookups_the_table_is_gathered_first(mesh):
                       bucket_bytes=BUCKET, shard_lookups=False)
   c, schedule = gpu.compile(low)
   assert "all-to-all" not in z1.inspect.hlo_collectives(c.as_text())
-  (ag,) = table_windows(c, schedule, "all-gather")
-  assert ag.overlapped < 0.5 * (ag.end - ag.start)   # mostly exposed
+  windows = table_windows(c, schedule, "all-gather")
+  if not windows:   # jax 0.12's XLA: nothing to run beside it, synchronous
+    assert any(" all-gather(" in l and "f32[2050,256]" in l
+               for l in c.as_text().splitlines())
+  else:
+    (ag,) = windows
+    assert ag.overlapped < 0.5 * (ag.end - ag.start)   # mostly exposed
 
 
 def test_lookups_from_blocks_stay_within_one_host(mesh):
