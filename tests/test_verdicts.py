@@ -17,7 +17,11 @@ THRESHOLD = 1   # read by by_global_threshold below
 
 
 @pytest.fixture(autouse=True)
-def fresh():
+def fresh(monkeypatch, tmp_path):
+  """Each test's own disk cache: the run's shared one is written by the
+  other xdist workers at any moment (a count of its files raced them), and
+  forgetting it would make their checks run again."""
+  monkeypatch.setenv(verdicts.CACHE_ENV, str(tmp_path / "verdicts"))
   verdicts.forget()
   yield
   verdicts.forget()
