@@ -270,3 +270,23 @@ def test_peer_watch_names_the_dead_process():
     assert w1.dead(wait_s=2.0) == [0]
   finally:
     w1.stop()
+
+
+def test_a_sigterm_before_the_first_tick_still_finds_the_dead_peer():
+  """mpirun's SIGTERM can come before the watch's first tick has read who
+  the peers are (two quick steps and a checkpoint after joining): dead()
+  reads them itself then. Without that, rank 0 saw no peers, exited 143
+  and lost its line (tests/test_distributed.py, 1 run of a clean-clone
+  make test-slow)."""
+  import socket
+  import subprocess
+  import sys
+  store = _Store()
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  w = distributed.PeerWatch(store, 0, 2, tick_s=3600.0)   # never ticks here
+  try:
+    store.kv[f"{distributed.PeerWatch.PREFIX}/who/1"] = f"{socket.gethostname()} {gone.pid}"
+    assert w.dead() == [1]
+  finally:
+    w.stop()

@@ -270,14 +270,17 @@ class PeerWatch:
         elif now - self._dead_since >= self.grace_s:
           self.on_dead(dead)
 
+  def _read_peers(self) -> None:
+    for key, value in self.client.key_value_dir_get(f"{self.PREFIX}/who/"):
+      r = int(key.rsplit("/", 1)[1])
+      if r != self.rank:
+        host, pid = value.rsplit(" ", 1)
+        self.peers[r] = (host, int(pid))
+
   def _read(self) -> None:
     now = time.monotonic()
     if len(self.peers) < self.count - 1:
-      for key, value in self.client.key_value_dir_get(f"{self.PREFIX}/who/"):
-        r = int(key.rsplit("/", 1)[1])
-        if r != self.rank:
-          host, pid = value.rsplit(" ", 1)
-          self.peers[r] = (host, int(pid))
+      self._read_peers()
     for key, value in self.client.key_value_dir_get(f"{self.PREFIX}/tick/"):
       r = int(key.rsplit("/", 1)[1])
       with self._lock:
@@ -288,6 +291,13 @@ class PeerWatch:
     """The ranks known dead, waiting up to ``wait_s`` for one to show."""
     deadline = time.monotonic() + wait_s
     while True:
+      if len(self.peers) < self.count - 1:
+        # Asked before the watch's first tick read who the peers are (a
+        # SIGTERM soon after start): read them now, or none is known dead.
+        try:
+          self._read_peers()
+        except Exception:  # noqa: BLE001 - the store is gone: ticks decide
+          pass
       found = self._dead_now()
       if found or time.monotonic() >= deadline:
         return found
