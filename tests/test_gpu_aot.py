@@ -223,3 +223,19 @@ def test_hlo_collectives_read_each_jax_versions_gpu_hlo(version):
   assert {k: (c.count, c.bytes) for k, c in coll.items()} == {
       "all-reduce": (1, 16 << 20), "reduce-scatter": (1, 2 << 20),
       "all-gather": (1, 2 << 20)}
+
+
+def test_the_target_config_is_read_without_an_error_line():
+  """jaxlib 0.10.2's parser predates a field of XLA's spec: the field is
+  left out up front, not after an error line from XLA's C++ on the user's
+  first screen (jax 0.12 reads the spec whole)."""
+  import subprocess
+  import sys
+  code = ("import jax; jax.config.update('jax_platforms', 'cpu'); "
+          "import experiments.gpu.aot; from zero1_jax.inspect import gpu; "
+          "print(dict(gpu.mesh(8).shape))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "{'data': 8}" in out.stdout
+  assert "Error parsing" not in out.stderr, out.stderr[-2000:]
