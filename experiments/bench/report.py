@@ -85,6 +85,11 @@ def _mb(x: float) -> str:
   return f"{x / 1e6:.3f}"
 
 
+def _row(*cells) -> str:
+  """One markdown table row."""
+  return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def tables(res: dict) -> str:
   """Markdown tables of a result dict."""
   lines = []
@@ -103,12 +108,13 @@ def tables(res: dict) -> str:
       for n in res["plan"]["ns"]:
         by = {r["method"]: r for r in st if r["n"] == n and r["dtype"] == dtype}
         z = by["zero1_rs"]
-        lines.append(
-            f"| {dtype} | {n} | {_mb(z['state_master_bytes'])} "
-            f"| {_mb(z['sharded_state_bytes'])} | {_mb(z['sharded_state_theory'])} "
-            f"| {z['ratio']:.5f} | {z['padding_elems']} | {_mb(by['ddp']['state_master_bytes'])} "
-            f"| {_mb(by['gspmd']['state_master_bytes'])} | {_mb(z['model_state_bytes'])} "
-            f"| {_mb(by['ddp']['model_state_bytes'])} | {_mb(by['gspmd']['model_state_bytes'])} |")
+        lines.append(_row(
+            dtype, n, *(_mb(z[k]) for k in ("state_master_bytes",
+                                            "sharded_state_bytes",
+                                            "sharded_state_theory")),
+            f"{z['ratio']:.5f}", z["padding_elems"],
+            *(_mb(by[m]["state_master_bytes"]) for m in ("ddp", "gspmd")),
+            *(_mb(by[m]["model_state_bytes"]) for m in ("zero1_rs", "ddp", "gspmd"))))
     lines.append("")
   mem = res.get("memory")
   if mem:
@@ -155,11 +161,11 @@ def tables(res: dict) -> str:
       other = ", ".join(f"{name} {v['count']} / {_mb(v['bytes'])}" for name, v in k.items()
                         if name not in ("all-reduce", "reduce-scatter", "all-gather")) or "-"
       th = r["theory"]["total"]
-      lines.append(
-          f"| {r['dtype']} | {r['method']} | {cell('all-reduce')} | {cell('reduce-scatter')} "
-          f"| {cell('all-gather')} | {other} | {_mb(r['traffic'])} "
-          f"| {'-' if th is None or th != th else _mb(th)} "
-          f"| {'-' if r['vs_ddp'] is None else format(r['vs_ddp'], '.4f')} |")
+      lines.append(_row(
+          r["dtype"], r["method"],
+          *(cell(c) for c in ("all-reduce", "reduce-scatter", "all-gather")),
+          other, _mb(r["traffic"]), "-" if th is None or th != th else _mb(th),
+          "-" if r["vs_ddp"] is None else format(r["vs_ddp"], ".4f")))
     lines.append("")
   sp = res.get("speed")
   if sp:
