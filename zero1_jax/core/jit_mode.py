@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 from zero1_jax.core import boxes
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
+from zero1_jax.core import jit_args
 from zero1_jax.core import jit_mesh
 from zero1_jax.core import layout as lay
 from zero1_jax.core import offload as ofl
@@ -180,6 +181,7 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
   sharded like ``params`` (replicated or ``reduced`` over the axis, and
   their own sharding over other axes), so ``optax.apply_updates`` keeps the
   params' placement."""
+  jit_args.check()   # in_shardings giving the state P(): zero1 speaks first
   axis = tx.config.axis_name
   mesh, where = jit_mesh.find_mesh(axis, params, grads, state,
                                    fallback=tx.config.mesh)
