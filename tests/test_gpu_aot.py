@@ -113,6 +113,32 @@ def test_kept_shards_are_gathered_under_the_forward(compiled, form):
       (round(w.start), round(w.overlapped)) for w in ag]
 
 
+def collective_starts(instrs, kind):
+  """Indices of ``kind``'s collectives (async starts, or jax 0.12's
+  synchronous ones) among ``instrs``."""
+  return [k for k, i in enumerate(instrs)
+          if i.opcode in (kind, f"{kind}-start")
+          or (i.opcode == "async-start" and kind in i.attrs)]
+
+
+def test_plain_jit_gathers_what_each_reduce_scatter_brought(compiled):
+  """z1.value_and_grad + tx.update: the new weights are gathered in the
+  groups the backward reduce-scattered (core/plan.py backward_buckets), so
+  each gather waits for exactly one reduce-scatter and XLA can run it
+  beside the rest of the backward; read from the GPU program's data
+  dependencies. (Gathered in tree-order buckets instead, the first waits
+  for two reduce-scatters.)"""
+  c, _ = compiled["jit_vg", "fp32"]
+  module = hlo_graph.parse(c.as_text())
+  instrs = module.computations[module.entry]
+  deps = hlo_graph.dependencies(instrs)
+  rs = [deps.node_of[k] for k in collective_starts(instrs, "reduce-scatter")]
+  waits = [sum(deps.ancestors[deps.node_of[k]] >> r & 1 for r in rs)
+           for k in collective_starts(instrs, "all-gather")]
+  assert len(rs) > 4 and len(waits) > 4
+  assert waits == [1] * len(waits)
+
+
 def table_windows(c, schedule, kind):
   """The async windows of ``kind`` that move the word embedding (2050 x 256;
   zero2 reduces it rank-major, 8 x 65600)."""

@@ -138,6 +138,33 @@ def test_zero2_in_plain_jit_trains_as_its_train_step():
   assert_close(p_jit, p, FP32_REORDER, "zero2 plain jit vs train_step")
 
 
+def test_compiled_for_gpus_the_update_gathers_in_the_backwards_groups(
+    monkeypatch):
+  """On GPUs, z1.value_and_grad hands tx.update how its backward grouped
+  the reduce-scatters, and the new weights are gathered in the same groups
+  (core/plan.py backward_buckets: each gather waits for one reduce-scatter;
+  tests/test_gpu_aot.py reads that from the GPU program). Run here with the
+  mesh's platform said to be 'gpu' and 512-byte buckets (MLP's 4 leaves in
+  2 groups, one of 3 leaves packed): the same weights as optax within
+  FP32_REORDER (the sums' order, as above), one gather per group. Which
+  leaves share a gather cannot change the numbers (a bucket is packed and
+  unpacked by the same segments); a leaf left out of the groups fails the
+  trace (planted: the last bucket dropped)."""
+  from zero1_jax.core import plan, platform
+  monkeypatch.setattr(platform, "resolve", lambda mesh=None: "gpu")
+  made = []
+  real = plan.backward_buckets
+  monkeypatch.setattr(plan, "backward_buckets",
+                      lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+  p, _, compiled = _train("zero1", make=lambda o, **k: z1.zero1(
+      o, bucket_bytes=512, inplace_bytes=None, **k), steps=3)
+  assert made and all(b is not None for b in made)
+  groups = {b.group for b in made[-1]}
+  assert sorted(len(b.segments) for b in made[-1]) == [1, 3]   # 1 packed
+  assert zinspect.collectives(compiled)["all-gather"].count == len(groups)
+  assert_close(p, _optax(steps=3), FP32_REORDER, "vs optax")
+
+
 def test_grad_has_aux_and_argument_checks():
   with jax.set_mesh(mesh(N)):
     tx = z1.zero1(optax.sgd(0.1), axis_name="data")

@@ -54,7 +54,8 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
           param_axes: Any = None, extra_args: dict | None = None,
           as_updates: bool = False, order: Sequence[int] | None = None,
           platform: str | None = None, shards_in: dict | None = None,
-          shard_out: Sequence[int] = (), reduced_extra: dict | None = None
+          shard_out: Sequence[int] = (), reduced_extra: dict | None = None,
+          gather_groups: Sequence | None = None
           ) -> tuple[Any, Zero1State, StepInfo]:
   """``(new params, new state, StepInfo)`` from ``grads`` (what they are:
   ``grads_are``, :mod:`.grad_reduce`); ``as_updates``: optax's updates
@@ -70,14 +71,17 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
   ``shard_out``: leaves returned as this device's new shard (in the param
   dtype) instead of gathered; ``reduced_extra``: {leaf: a part of its
   gradient summed over every device already, this device's shard} added to
-  the reduced sums (row lookups served from stored shards, :mod:`.lookup`).
+  the reduced sums (row lookups served from stored shards, :mod:`.lookup`);
+  ``gather_groups``: the groups the backward reduce-scattered, gathered
+  group by group (:func:`.plan.backward_buckets`).
   """
   if grads_are == SHARDS:   # z1.value_and_grad's: reduced in the backward
     grads_are, pre_reduced = LOCAL, True
   cfg = tx.config
   p_leaves = jax.tree.leaves(params)
   plan, g_leaves = _plan(tx, grads, params, p_leaves, grads_are, pre_reduced,
-                         param_axes, extra_args, order, platform, shard_out)
+                         param_axes, extra_args, order, platform, shard_out,
+                         gather_groups)
   layout = plan.layout
   scaler = precision.for_params(cfg.loss_scale, params)
 
@@ -108,7 +112,8 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
 def _plan(tx: Any, grads: Any, params: Any, p_leaves: list, grads_are: str,
           pre_reduced: bool, param_axes: Any, extra_args: dict | None,
           order: Sequence[int] | None, platform: str | None,
-          shard_out: Sequence[int]) -> tuple[plans.StepPlan, list]:
+          shard_out: Sequence[int], gather_groups: Sequence | None = None
+          ) -> tuple[plans.StepPlan, list]:
   """Stage 0: the :class:`.plan.StepPlan` and the gradients' leaves, once
   what the update is handed has been checked against the layout (and, with
   extra arguments, the inner optimizer again with them)."""
@@ -123,5 +128,6 @@ def _plan(tx: Any, grads: Any, params: Any, p_leaves: list, grads_are: str,
   if grads_are == LOCAL and not pre_reduced:
     chk.check_local_grads(grads, cfg.axis_name)
   r_buckets, g_buckets = plans.buckets(cfg, layout, g_leaves, p_leaves,
-                                       order, platform, shard_out)
+                                       order, platform, shard_out,
+                                       gather_groups)
   return plans.StepPlan(layout, pa, r_buckets, g_buckets), g_leaves

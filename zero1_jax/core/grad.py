@@ -141,7 +141,11 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
         out_specs=(P(), P(), g_specs), axis_names={axis},
         check_vma=False)(params, *args)
     value = (loss, aux) if has_aux else loss
-    return value, sharded_grads.publish(grads, params, n)
+    # tx.update gathers the new weights in the groups the backward reduced
+    # (core/plan.py backward_buckets); CPU keeps its packed plan.
+    groups = (None if platform == "cpu"
+              else zero2.backward_groups(layout, cfg, order, platform))
+    return value, sharded_grads.publish(grads, params, n, groups)
 
   return f
 

@@ -194,9 +194,10 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
   grads, state, params = boxes.strip((grads, state, params))
   layout = lay.plan(params if pa is None else pa.local_tree(params), n,
                     None if pa is None else pa.taken)
-  shards = sharded_grads.lookup(grads)   # z1.value_and_grad's, as returned
-  if shards is not None:
-    grads = ShardedGrads(shards)
+  found = sharded_grads.lookup(grads)   # z1.value_and_grad's, as returned
+  groups = None
+  if found is not None:
+    grads, groups = ShardedGrads(found.tree), found.groups
   if isinstance(grads, ShardedGrads):   # z1.value_and_grad: reduced already
     if pa is not None:
       raise ValueError(SHARDED_2D)
@@ -228,7 +229,8 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
   f = empty_leaves.shard_map(
       lambda g, s, p, a: tx.apply(g, s, p, mode, param_axes=pa,
                                   extra_args=extra(a), as_updates=True,
-                                  platform=platforms.resolve(where))[:2],
+                                  platform=platforms.resolve(where),
+                                  gather_groups=groups)[:2],
       mesh=mesh, in_specs=(g_specs, s_specs, p_specs, [P()] * len(arrays)),
       out_specs=(p_specs, s_specs), check_vma=False)
   return jax.jit(f)(grads, state, params, arrays)

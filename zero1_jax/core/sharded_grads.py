@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,14 +64,15 @@ class ShardedGrads:
     return f"ShardedGrads({self.tree!r})"
 
 
-# id(published leaf) -> (weakref to it, the summed shard it came from)
-_SHARDS: dict[int, tuple[Any, Any]] = {}
+# id(published leaf) -> (weakref to it, the summed shard it came from,
+# the backward's groups)
+_SHARDS: dict[int, tuple[Any, Any, Any]] = {}
 
 
-def _remember(leaf, shard) -> None:
+def _remember(leaf, shard, groups) -> None:
   key = id(leaf)
   _SHARDS[key] = (weakref.ref(leaf, lambda _, key=key: _SHARDS.pop(key, None)),
-                  shard)
+                  shard, groups)
 
 
 def _cut(g, shape) -> Any:
@@ -88,38 +89,57 @@ def _cut(g, shape) -> Any:
   return g[tuple(slice(0, d) for d in shape)]
 
 
-def publish(shards: Any, params: Any, n: int) -> Any:
+class Published(NamedTuple):
+  """What :func:`lookup` finds behind a tree :func:`publish` returned."""
+
+  tree: Any               # the summed shards, None at zero leaves
+  groups: Sequence | None  # (leaf indices, combiner group) per reduce-scatter,
+                           # in the backward's order (None: not known)
+
+
+def publish(shards: Any, params: Any, n: int,
+            groups: Sequence | None = None) -> Any:
   """The program's gradients from ``shards`` (the backward's summed shards,
   a tree like ``params`` with None at integer / zero-size leaves): a tree
-  like ``params`` of ``shard / n`` cut to each parameter's shape."""
+  like ``params`` of ``shard / n`` cut to each parameter's shape.
+  ``groups``: how the backward reduce-scattered them
+  (:func:`zero1_jax.core.zero2.backward_groups`), for ``tx.update`` to
+  gather the new weights group by group."""
   p_leaves, treedef = jax.tree.flatten(params)
   s_leaves = treedef.flatten_up_to(shards)
+  groups = None if groups is None else tuple(
+      (tuple(idx), tag) for idx, tag in groups)
   out = []
   for p, s in zip(p_leaves, s_leaves):
     if s is None:
       z = jnp.zeros(jnp.shape(p), jnp.result_type(p))
-      _remember(z, None)
+      _remember(z, None, groups)
       out.append(z)
       continue
     g = _cut((s / n).astype(s.dtype), jnp.shape(p))
-    _remember(g, s)
+    _remember(g, s, groups)
     out.append(g)
   return treedef.unflatten(out)
 
 
-def lookup(grads: Any) -> Any | None:
+def lookup(grads: Any) -> Published | None:
   """The summed shards behind ``grads`` (a tree like :func:`publish`
   returned, None at its zero leaves) if every floating leaf is one
-  :func:`publish` returned, else None."""
+  :func:`publish` returned, else None; with the backward's groups when all
+  those leaves came from one :func:`publish`."""
   leaves, treedef = jax.tree.flatten(grads)
-  out, found = [], False
+  out, found, plans = [], False, {}
   for g in leaves:
     hit = _SHARDS.get(id(g))
     if hit is not None and hit[0]() is g:
       out.append(hit[1])
       found = found or hit[1] is not None
+      plans[id(hit[2])] = hit[2]
     elif jnp.issubdtype(jnp.result_type(g), jnp.inexact):
       return None
     else:
       out.append(None)
-  return treedef.unflatten(out) if found else None
+  if not found:
+    return None
+  (groups,) = plans.values() if len(plans) == 1 else (None,)
+  return Published(treedef.unflatten(out), groups)

@@ -178,18 +178,34 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config,
   return groups + list(scalars.values())
 
 
-def _tags(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config
-          ) -> list[str]:
-  """Each hook group's XLA combiner_key: consecutive groups of at most
-  ``cfg.bucket_bytes`` in all share one, smaller towards the end of the
+def tag_ids(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config
+            ) -> list[int]:
+  """Each hook group's combiner group (its XLA combiner_key,
+  :data:`zero1_jax.core.collectives.REDUCE_KEY`): consecutive groups of at
+  most ``cfg.bucket_bytes`` in all share one, smaller towards the end of the
   backward, which nothing hides (:func:`zero1_jax.core.layout.group_ids`)."""
   n = layout.num_shards
   sizes = [sum(n * layout.leaves[i].shard_size
                * comm_dtype(layout.leaves[i], cfg).itemsize for i in idx)
            for idx in groups]
-  return [col.REDUCE_KEY.format(g) for g in
-          lay.group_ids(sizes, min(int(cfg.bucket_bytes), lay.GROUP_BYTES),
-                        "last")]
+  return lay.group_ids(sizes, min(int(cfg.bucket_bytes), lay.GROUP_BYTES),
+                       "last")
+
+
+def _tags(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config
+          ) -> list[str]:
+  return [col.REDUCE_KEY.format(g) for g in tag_ids(groups, layout, cfg)]
+
+
+def backward_groups(layout: lay.Layout, cfg: Zero1Config,
+                    order: Sequence[int] | None = None,
+                    platform: str | None = None) -> list[tuple[list[int], int]]:
+  """``(leaf indices, combiner group)`` of each SHARD group
+  :func:`reduced_grad_fn` reduce-scatters, in the backward's order: what
+  ``tx.update`` gathers group by group (:func:`.plan.backward_buckets`)."""
+  groups = hook_groups(layout, cfg, order, platform)
+  return [(idx, tag) for idx, tag in zip(groups, tag_ids(groups, layout, cfg))
+          if layout.leaves[idx[0]].kind == lay.SHARD]
 
 
 def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
