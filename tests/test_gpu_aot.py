@@ -139,6 +139,47 @@ def test_plain_jit_gathers_what_each_reduce_scatter_brought(compiled):
   assert waits == [1] * len(waits)
 
 
+def test_a_flax_trainstate_loop_compiles_for_gpus(mesh):
+  """docs/gpu.md's recipe on a program as flax users write it: the
+  TrainState made by ``jax.eval_shape`` under ``jax.set_mesh`` of the
+  compile-only mesh (zero1's init probes the optimizer on concrete numbers:
+  not on those devices, which run nothing), then a plain-jit step with
+  ``z1.value_and_grad`` and ``apply_gradients`` (zero1's run-time check of
+  a restored state calls back to the host: not in a program no backend
+  here can run). One gather per reduce-scatter group."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+  import optax
+  from flax.training import train_state
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  model = nn.Sequential([nn.Dense(256), nn.relu, nn.Dense(256), nn.relu,
+                         nn.Dense(10)])
+  tx = z1.zero1(optax.adamw(1e-3), axis_name="data", bucket_bytes=1 << 18)
+  loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
+
+  def step(state, x):
+    _, g = z1.value_and_grad(loss, tx)(state.params, x)
+    return state.apply_gradients(grads=g)
+
+  placed = lambda t, spec: jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=NamedSharding(mesh, spec)), t)
+  with jax.set_mesh(mesh):
+    st = jax.eval_shape(lambda: train_state.TrainState.create(
+        apply_fn=model.apply, tx=tx,
+        params=model.init(jax.random.key(0), jnp.ones((1, 128)))["params"]))
+    opt = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        st.opt_state, z1.state_shardings(tx, st.params, mesh))
+    st = st.replace(params=placed(st.params, P()), step=placed(st.step, P()),
+                    opt_state=opt)
+    low = jax.jit(step).lower(st, placed(jax.ShapeDtypeStruct(
+        (64, 128), jnp.float32), P("data")))
+  c, _ = gpu.compile(low)
+  coll = z1.inspect.hlo_collectives(c.as_text())
+  assert 1 < coll["all-gather"].count <= coll["reduce-scatter"].count
+
+
 def table_windows(c, schedule, kind):
   """The async windows of ``kind`` that move the word embedding (2050 x 256;
   zero2 reduces it rank-major, 8 x 65600)."""

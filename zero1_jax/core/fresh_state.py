@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zero1_jax.core import platform as platforms
+
 NEW_STATE = (
     "zero1: the optimizer state is new (zero1 has run no update on it and "
     "its counts and moments are 0) but the training's step is {step}: a "
@@ -92,11 +94,26 @@ _SAID: set = set()
 _LOCK = threading.Lock()
 
 
+def _runs_here() -> bool:
+  """Whether the program being traced can run on this machine, and so call
+  back to the host: not one compiled for devices jax has no backend for
+  (``z1.inspect.gpu``'s compile-only GPUs, where lowering the callback
+  failed with "Unknown backend: 'gpu'"). Such a program never runs: no
+  state of it to warn about."""
+  try:
+    jax.devices(platforms.resolve())
+  except RuntimeError:
+    return False
+  return True
+
+
 def warn_if_new(state: Any, step: Any) -> None:
   """At run time: warn (:data:`NEW_STATE`) where ``step`` > 0 and ``state``
   is new. The scalars are compared in the step (two compares); only where
   they say so does each device read its own counts and moment shards, on
   the host, for a new state's zeros (a callback per device, no collective)."""
+  if not _runs_here():
+    return
   step = jnp.asarray(step)
   maybe = (step > 0) & (state.loss_scale.step == 0)
   leaves = _telling(state)

@@ -164,14 +164,30 @@ def _run_both(inner: optax.GradientTransformation, update: Any, values: Any,
   # Only then: evaluating at compile time compiles each of the optimizer's
   # own jitted helpers on its own (19 programs for adam, 2.98 s against
   # 1.31 s for the first z1.init of a process).
-  # Inside a shard_map (an update's extra arguments are checked there) the
-  # probe's own arrays must not see its manual mesh: no mesh for them.
   traced = isinstance(jnp.zeros(()), jax.core.Tracer)
   with (jax.ensure_compile_time_eval() if traced else contextlib.nullcontext(),
-        jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-        if traced else contextlib.nullcontext()):
+        _no_mesh() if traced else contextlib.nullcontext()):
     return both(tree(full_p), tree(full_g), tree(_split(full_p, small)),
                 tree(_split(full_g, small)))
+
+
+@contextlib.contextmanager
+def _no_mesh():
+  """No mesh for the probe's own arrays, computed while the caller traces:
+  not a shard_map's manual mesh (an update's extra arguments are checked
+  there), and not the devices of a ``jax.set_mesh`` mesh, which may be a
+  compile-only one (``z1.inspect.gpu.mesh``: nothing runs on its devices;
+  ``jax.eval_shape(TrainState.create)`` under it failed with "'Executable'
+  object has no attribute 'local_devices'", blamed on the optimizer)."""
+  try:   # jax's own context for the concrete mesh (0.10.2-0.12); private
+    from jax._src.sharding_impls import _internal_use_concrete_mesh
+    from jax._src.mesh import empty_concrete_mesh
+    concrete = _internal_use_concrete_mesh(empty_concrete_mesh)
+  except (ImportError, AttributeError, AssertionError):  # pragma: no cover
+    concrete = contextlib.nullcontext()
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), \
+      concrete:
+    yield
 
 
 def _differs(inner: optax.GradientTransformation, small: lay.Layout,
