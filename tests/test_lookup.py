@@ -1,8 +1,9 @@
 """Row lookups served from the stored column blocks (core/lookup.py,
 ``train_step(shard_lookups=...)``).
 
-The specification: a 2-D leaf kept split on its columns between steps that
-the loss reads by rows (an embedding, tied or not) is looked up from each
+The specification: a 2-D leaf kept split on its columns between steps (or,
+in plain jit with ``z1.value_and_grad``, split so in the update) that the
+loss reads by rows (an embedding, tied or not) is looked up from each
 device's block; the rows are the same, so the forward is unchanged; the
 lookup's gradient arrives summed over every device's tokens and is added to
 the reduced sum of the table's other reads. Where every sum is exact
@@ -174,6 +175,62 @@ def test_rounding_stays_within_the_reordered_sums_bound(n):
     ulp = np.spacing(np.abs(np.asarray(want[k], np.float32)))
     bound = lr * 2 * (terms - 1) * u * s / n * (1 + 4 * u) + ulp
     for other in (want[k], gathered[k]):
+      err = np.abs(got[k].astype(np.float64) - np.asarray(other, np.float64))
+      assert np.all(err <= bound), (k, float((err / bound).max()))
+
+
+def _plain_jit_steps(loss, params, batches, lr, n, *, lookups=True):
+  """A plain-jit loop: z1.value_and_grad, tx.update, optax.apply_updates."""
+  tx = z1.zero1(optax.sgd(lr), axis_name="data")
+  with jax.set_mesh(_mesh(n)):
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, b):
+      value, g = z1.value_and_grad(loss, tx, shard_lookups=lookups)(p, b)
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s, value
+
+    for b in batches:
+      params, state, value = step(params, state, b)
+  return jax.tree.map(np.asarray, params), value
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_plain_jit_exact_sums_give_optax_bitwise(n):
+  """z1.value_and_grad(shard_lookups=True) (the default on GPUs and TPUs of
+  one host): the table's row lookups read each device's column block of the
+  whole params, and their gradient arrives summed by the rows' all-to-all.
+  Integer gradients: bitwise optax (a lookup gradient lost, doubled, or
+  added to another block would not be)."""
+  params = _int_params()
+  batches = [_int_batch(jax.random.key(i), 8) for i in range(2)]
+  want = _optax_steps(_tied_linear, params, batches, 0.5)
+  got, _ = _plain_jit_steps(_tied_linear, params, batches, 0.5, n)
+  for k in params:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_plain_jit_rounding_stays_within_the_reordered_sums_bound():
+  """The float model of test_rounding_stays_within_the_reordered_sums_bound
+  through z1.value_and_grad at N = 8, the same bound (the same terms summed
+  in another order), against optax and against the lookups gathered."""
+  n, lr = 8, 0.1
+  params = {"emb": jax.random.normal(jax.random.key(2), (V, D)),
+            "w": jax.random.normal(jax.random.key(3), (D, D)) * 0.3}
+  batch = {"ids": jax.random.randint(jax.random.key(4), (16, T), 0, V),
+           "labels": jax.random.randint(jax.random.key(5), (16, T), 0, V)}
+  want = _optax_steps(_softmax_lm, params, [batch], lr)
+  got, value = _plain_jit_steps(_softmax_lm, params, [batch], lr, n)
+  plain, value2 = _plain_jit_steps(_softmax_lm, params, [batch], lr, n,
+                                   lookups=False)
+  assert float(value) == float(value2)   # the same rows: the same forward
+  s_emb, s_w, terms = _term_magnitudes(params, batch, n)
+  u = 2.0 ** -24
+  for k, s in (("emb", s_emb), ("w", s_w)):
+    ulp = np.spacing(np.abs(np.asarray(want[k], np.float32)))
+    bound = lr * 2 * (terms - 1) * u * s / n * (1 + 4 * u) + ulp
+    for other in (want[k], plain[k]):
       err = np.abs(got[k].astype(np.float64) - np.asarray(other, np.float64))
       assert np.all(err <= bound), (k, float((err / bound).max()))
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zero1_jax.core import empty_leaves
@@ -54,6 +55,8 @@ from zero1_jax.core import platform as platforms
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
 from zero1_jax.core import closed_over
+from zero1_jax.core import collectives as col
+from zero1_jax.core import lookup
 from zero1_jax.core import sharded_grads
 from zero1_jax.core.tx_config import Zero1Transformation
 
@@ -64,7 +67,8 @@ NOT_ZERO1 = ("z1.value_and_grad(fun, tx): tx must be the transformation "
 
 def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                    has_aux: bool = False,
-                   batch_argnums: Sequence[int] = (1,)) -> Callable:
+                   batch_argnums: Sequence[int] = (1,),
+                   shard_lookups: bool | str = "auto") -> Callable:
   """``jax.value_and_grad(fun, has_aux=has_aux)`` for ``tx``'s training:
   ``f(params, *args) -> (value, grads)`` (``((value, aux), grads)`` with
   ``has_aux``).
@@ -80,6 +84,14 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     batch_argnums: positions (in ``(params, *args)``) of the arguments split
       over the data axis on their leading dim: the batch. Other arguments
       (an RNG key, a step) are handed whole to every device.
+    shard_lookups: a 2-D leaf split over the data axis on its columns that
+      ``fun`` reads by rows (an embedding) has its row lookups served by
+      each device's column block (core/lookup.py, as
+      :func:`zero1_jax.train_step`'s): the lookups' gradient arrives summed
+      by one all-to-all of the rows instead of in the table's
+      reduce-scatter, which then no longer waits for the backward's end.
+      The same rows; that gradient summed in another order. ``"auto"``: on
+      for a program compiled for GPUs or TPUs on one host.
 
   Returns:
     ``f``: runs under ``jax.jit`` (or eagerly) with a mesh set by
@@ -113,18 +125,34 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
                                   (params,) + args, axis, n, argnums)
     platform = platforms.resolve(where)
+    plain = lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux)
+    lookups = _lookups(shard_lookups, platform, where, layout, plain, params,
+                       args, argnums, n)
     # Reduced in the order the backward completes the gradients (core/order.py;
-    # tree order on CPU, which neither combines nor overlaps collectives).
-    order = None if platform == "cpu" else ordering.first_reads(
-        lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux), params, *args)
+    # tree order on CPU, which neither combines nor overlaps collectives),
+    # each group after the one before (XLA otherwise queues them at the
+    # backward's end).
+    gpu_like = platform != "cpu"
+    order = ordering.first_reads(plain, params, *args,
+                                 lookups=lookups) if gpu_like else None
 
     def per_device(p, *a):
-      def loss_of(q, a):
-        out = fun(q, *rebuild(a))
+      tables = {i: col.local_shard(x, layout.leaves[i], axis)
+                for i, x in enumerate(jax.tree.leaves(p)) if i in lookups}
+      call = (lookup.rewrite(lambda q, *b: fun(q, *rebuild(b)), p, *a,
+                             leaves=lookups, axis=axis) if lookups else None)
+
+      def loss_of(q, *t_a):
+        out = call(q, *t_a[:-1], *t_a[-1]) if lookups else fun(
+            q, *rebuild(t_a[-1]))
         loss, aux = out if has_aux else (out, None)
         return loss, (loss, aux)
-      g, (loss, aux) = zero2.reduced_grad_fn(loss_of, p, cfg, n, order,
-                                             platform)(a)
+      g, (loss, aux) = zero2.reduced_grad_fn(
+          loss_of, p, cfg, n, order, platform, tables or None,
+          chain=gpu_like)(a)
+      if lookups:   # the lookups' gradient, summed over every device already
+        g, g_tables = g
+        g = _add_tables(g, g_tables)
       aux = None if aux is None else jax.lax.pmean(aux, axis)
       return jax.lax.pmean(loss, axis), aux, g
 
@@ -150,6 +178,40 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
   return f
 
 
+def _lookups(shard_lookups: bool | str, platform: str, where: Any,
+             layout: lay.Layout, plain: Callable, params: Any, args: tuple,
+             argnums: tuple, n: int) -> frozenset[int]:
+  """The leaves whose row lookups read each device's column block: 2-D,
+  split on the columns without padding, not fp16 (whose sums travel
+  pre-divided), read by rows; ``"auto"``: GPU/TPU on one host only (across
+  hosts the rows' all-to-all reaches every peer over the network)."""
+  if shard_lookups == "auto":
+    shard_lookups = platform != "cpu" and platforms.one_host(where)
+  elif shard_lookups not in (True, False):
+    raise ValueError(f"shard_lookups must be True, False or 'auto', got "
+                     f"{shard_lookups!r}")
+  candidates = [i for i, s in enumerate(layout.leaves)
+                if s.kind == lay.SHARD and s.dim == 1 and len(s.shape) == 2
+                and s.padded_shape == s.shape and s.dtype != jnp.float16]
+  if not shard_lookups or not candidates:
+    return frozenset()
+  local = tuple(jax.tree.map(
+      lambda x, i=i: jax.ShapeDtypeStruct(
+          ((jnp.shape(x)[0] // n,) if i + 1 in argnums else jnp.shape(x)[:1])
+          + jnp.shape(x)[1:], jnp.result_type(x)), a)
+      for i, a in enumerate(args))
+  return lookup.find(plain, params, *local, candidates=candidates)
+
+
+def _add_tables(g: Any, g_tables: dict) -> Any:
+  """``g`` (this device's summed shards) with the lookups' gradient of each
+  table leaf (its column block, summed over every device's tokens) added."""
+  leaves, treedef = jax.tree.flatten(g, is_leaf=lambda x: x is None)
+  for i, v in g_tables.items():
+    leaves[i] = leaves[i] + v.reshape(leaves[i].shape).astype(leaves[i].dtype)
+  return treedef.unflatten(leaves)
+
+
 def _loss_only(out, has_aux: bool):
   return out[0] if has_aux else out
 
@@ -165,11 +227,13 @@ def _split(x, mesh, where, axis: str):
 
 
 def grad(fun: Callable, tx: Zero1Transformation, *, has_aux: bool = False,
-         batch_argnums: Sequence[int] = (1,)) -> Callable:
+         batch_argnums: Sequence[int] = (1,),
+         shard_lookups: bool | str = "auto") -> Callable:
   """``jax.grad`` for ``tx``'s training: ``f(params, *args) -> grads`` (or
   ``(grads, aux)``), the gradients reduce-scattered in the backward, as
   :func:`value_and_grad`."""
-  vg = value_and_grad(fun, tx, has_aux=has_aux, batch_argnums=batch_argnums)
+  vg = value_and_grad(fun, tx, has_aux=has_aux, batch_argnums=batch_argnums,
+                      shard_lookups=shard_lookups)
 
   def f(params, *args):
     value, grads = vg(params, *args)

@@ -44,9 +44,18 @@ def resolve(mesh: Any = None) -> str:
 
 
 def one_host(mesh: Any) -> bool:
-  """Whether every device of ``mesh`` belongs to one process (host); True
-  when the mesh does not say (an abstract mesh)."""
+  """Whether every device of ``mesh`` belongs to one process (host): of an
+  abstract mesh (``jax.set_mesh``'s, read under jit), that of the concrete
+  mesh ``jax.set_mesh`` set with it; True when neither says."""
   try:
     return len({d.process_index for d in mesh.devices.flat}) <= 1
   except (AttributeError, ValueError, TypeError):
+    pass
+  try:   # jax's context of the concrete mesh (0.10.2-0.12); private
+    from jax._src.mesh import get_concrete_mesh
+    concrete = get_concrete_mesh()
+    if concrete.empty or concrete.shape != getattr(mesh, "shape", None):
+      return True
+    return len({d.process_index for d in concrete.devices.flat}) <= 1
+  except (ImportError, AttributeError, ValueError, TypeError):  # pragma: no cover
     return True

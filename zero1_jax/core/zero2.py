@@ -86,7 +86,8 @@ def comm_dtype(spec: lay.LeafSpec, cfg: Zero1Config) -> jnp.dtype:
 
 def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
                 dtype: Any, all_reduce: bool = False,
-                key: str | None = None) -> Callable:
+                key: str | None = None, waits: bool | None = None
+                ) -> Callable:
   """``hook(params, slots) -> params`` whose backward reduces the cotangents.
 
   ``params`` and ``slots`` are tuples, one entry per leaf of ``specs`` (all
@@ -96,6 +97,11 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
   leaves in one collective (their rank-major views side by side). The params
   get no cotangent (None: a zero that is never built). ``key``: the XLA
   ``combiner_key`` the collective carries (:func:`zero1_jax.core.order.tagged`).
+
+  ``waits`` not None: ``hook(params, slots, token) -> (params, token)``, the
+  token's cotangent standing for the reduce-scatters of the hooks before
+  this one in the backward; with ``waits`` this one's starts after them
+  (:func:`reduced_grad_fn`'s ``chain``).
   """
 
   # fp16 travels divided by N (collectives.predivides); the update restores
@@ -126,6 +132,9 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
       at += s.shard_size
     return tuple(out)
 
+  if waits is not None:
+    return _chained(reduce, waits)
+
   @jax.custom_vjp
   def hook(ps, slots):
     del slots
@@ -137,6 +146,32 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
 
   def bwd(_, cts):
     return None, reduce(cts)
+
+  hook.defvjp(fwd, bwd)
+  return hook
+
+
+def _chained(reduce: Callable, waits: bool) -> Callable:
+  """:func:`reduce_hook`'s hook with a token: its cotangent arrives with the
+  earlier hooks' reduced shards behind it and leaves with this one's too."""
+
+  @jax.custom_vjp
+  def hook(ps, slots, tok):
+    del slots
+    return ps, tok
+
+  def fwd(ps, slots, tok):
+    del slots
+    return (ps, tok), None
+
+  def bwd(_, cts):
+    cts, done = cts
+    if waits:
+      cts, done = jax.lax.optimization_barrier((cts, done))
+    # The shards leave through the barrier: their users, and the next
+    # group's collective, then wait for this one's.
+    done, out = jax.lax.optimization_barrier((done, reduce(cts)))
+    return None, out, done
 
   hook.defvjp(fwd, bwd)
   return hook
@@ -211,7 +246,8 @@ def backward_groups(layout: lay.Layout, cfg: Zero1Config,
 def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
                     n: int, order: Sequence[int] | None = None,
                     platform: str | None = None,
-                    tables: dict | None = None) -> Callable:
+                    tables: dict | None = None, chain: bool = False
+                    ) -> Callable:
   """``f(batch) -> (grads, aux)`` for ``jax.grad(loss_fn, has_aux=True)``
   with every leaf's gradient reduced in the backward pass
   (:func:`hook_groups` says which leaves share a collective).
@@ -222,24 +258,41 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
   ``order`` / ``platform``: as :func:`hook_groups`'s. With ``tables``
   ({leaf: this device's column block}, :mod:`.lookup`): ``loss_fn(params,
   tables, batch)``, and ``grads`` is ``(grads, tables' gradients)``.
+  ``chain``: each combiner group's reduce-scatter starts after the group
+  before it in the backward has arrived (plain jit, where XLA's scheduler
+  otherwise queues them all at the backward's end: GPT-2 fp32 on 8 H100s
+  with its lookups gathered, 1,164 µs of collectives exposed instead of
+  1,538).
   """
   layout = lay.plan(params, n)
   p_leaves = jax.tree.leaves(params)
   groups = hook_groups(layout, cfg, order, platform)
   hooks, slots = [], []
-  for idx, key in zip(groups, _tags(groups, layout, cfg)):
+  tags = _tags(groups, layout, cfg)
+  for k, (idx, key) in enumerate(zip(groups, tags)):
     specs = [layout.leaves[i] for i in idx]
     dt = comm_dtype(specs[0], cfg)
+    waits = (k > 0 and key != tags[k - 1]) if chain else None
     hooks.append(reduce_hook(specs, n, cfg.axis_name, dt,
-                             cfg.reduce == "all_reduce", key))
+                             cfg.reduce == "all_reduce", key, waits))
     slots.append(tuple(jnp.zeros(s.shard_shape, dt) for s in specs))
 
   def through_hooks(slots, *args):
     hooked = list(p_leaves)
-    for idx, h, s in zip(groups, hooks, slots):
-      for i, p in zip(idx, h(tuple(p_leaves[i] for i in idx), s)):
+    if not chain:
+      for idx, h, s in zip(groups, hooks, slots):
+        for i, p in zip(idx, h(tuple(p_leaves[i] for i in idx), s)):
+          hooked[i] = p
+      return loss_fn(layout.treedef.unflatten(hooked), *args)
+    # The token passes the hooks in the forward's order, so that its
+    # cotangent passes them in the backward's; the loss takes it times 0.
+    tok = jnp.zeros((), jnp.float32)
+    for idx, h, s in reversed(list(zip(groups, hooks, slots))):
+      ps, tok = h(tuple(p_leaves[i] for i in idx), s, tok)
+      for i, p in zip(idx, ps):
         hooked[i] = p
-    return loss_fn(layout.treedef.unflatten(hooked), *args)
+    loss, aux = loss_fn(layout.treedef.unflatten(hooked), *args)
+    return loss + (0 * tok).astype(jnp.result_type(loss)), aux
 
   grad = jax.grad(through_hooks, argnums=(0, 1) if tables else 0,
                   has_aux=True)
