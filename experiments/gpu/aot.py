@@ -23,7 +23,8 @@ embedding gathered whole before its lookup, the plan before
 core/lookup.py),
 ``engine`` (``z1.initialize``'s step from a DeepSpeed config with
 gradient clipping), ``jit_grad`` (``z1.zero1`` in plain jit after
-``jax.value_and_grad``) and ``jit_vg`` (after ``z1.value_and_grad``).
+``jax.value_and_grad``), ``jit_vg`` (after ``z1.value_and_grad``) and
+``jit_vg_gathered`` (``jit_vg`` with ``shard_lookups=False``).
 Needs jax's CUDA plugin at jax's version (``make gpu-aot`` installs it).
 """
 from __future__ import annotations
@@ -54,7 +55,8 @@ from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
 from zero1_jax.models import bert, gpt  # noqa: E402
 
 FORMS = ("floor", "ddp", "ddp_nomaster", "gspmd", "train_step",
-         "train_step_gathered", "zero2", "engine", "jit_grad", "jit_vg")
+         "train_step_gathered", "zero2", "engine", "jit_grad", "jit_vg",
+         "jit_vg_gathered")
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 # (config, per-device batch, sequence length): BERT-base MLM at 8 x 128
 # tokens a device (the issue's 64 x 128 on 8 GPUs); GPT-2 small at 2 x 1024.
@@ -121,8 +123,8 @@ def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
   """The form's step lowered for ``mesh`` on abstract arguments
   (``zero1_kw``: more keywords for z1.zero1 / z1.zero2)."""
   step_kw = {k: zero1_kw.pop(k) for k in ("shard_lookups",) if k in zero1_kw}
-  if form == "train_step_gathered":
-    form, step_kw = "train_step", {**step_kw, "shard_lookups": False}
+  if form in ("train_step_gathered", "jit_vg_gathered"):
+    form, step_kw = form[:-9], {**step_kw, "shard_lookups": False}
   shapes, loss_fn, per_device, seq = model(name, dtype)
   n = mesh.shape["data"]
   key = "input_ids"
@@ -171,7 +173,7 @@ def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
   if step is not None:
     return step.lower(params, state, batch)
   grad = jax.value_and_grad if form == "jit_grad" else (
-      lambda f: z1.value_and_grad(f, tx))
+      lambda f: z1.value_and_grad(f, tx, **step_kw))
 
   def user_step(p, s, bt):
     loss, g = grad(loss_fn)(p, bt)
