@@ -142,9 +142,9 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
       call = (lookup.rewrite(lambda q, *b: fun(q, *rebuild(b)), p, *a,
                              leaves=lookups, axis=axis) if lookups else None)
 
-      def loss_of(q, *t_a):
-        out = call(q, *t_a[:-1], *t_a[-1]) if lookups else fun(
-            q, *rebuild(t_a[-1]))
+      def loss_of(q, *rest):   # (tables, args) with lookups, else (args,)
+        out = (call(q, rest[0], *rest[1]) if lookups
+               else fun(q, *rebuild(rest[0])))
         loss, aux = out if has_aux else (out, None)
         return loss, (loss, aux)
       g, (loss, aux) = zero2.reduced_grad_fn(
