@@ -208,14 +208,14 @@ def test_tutorial_out_shardings_replicating_the_state_warn_with_the_fix():
   assert "jax.tree.map(lambda x: x.sharding, state)" in msg, msg
 
 
-def test_tutorial_in_shardings_replicating_the_state_is_jax_s_error():
-  """in_shardings P() against the state tx.init placed: JAX refuses the
-  call when it compares the arguments with in_shardings, after tracing
-  (zero1's update has run) and before lowering; nothing zero1 runs can see
-  in_shardings (the traced state is typed as the argument, not as
-  in_shardings). docs/flax_programs.md says what the error means here."""
+def test_tutorial_in_shardings_replicating_the_state_is_named_by_zero1():
+  """in_shardings P() against the state tx.init placed (zero1 built without
+  mesh=): JAX would refuse the call after tracing; zero1's update, traced
+  first, refuses it naming the state and the shardings to give it
+  (tests/test_jit_in_shardings.py has the rest of this contract)."""
   step, params, opt_state, x = _tutorial_program("P()", "P()")
-  with pytest.raises(ValueError, match="Sharding passed to jit does not match"):
+  with pytest.raises(ValueError, match=r"^zero1: this jit's in_shardings give "
+                     r"zero1's optimizer state.*lambda x: x\.sharding"):
     step(params, opt_state, x)
 
 

@@ -1,7 +1,9 @@
 """A jit whose ``in_shardings`` give zero1's state another placement (JAX's
 distributed-arrays tutorial style: params and state given ``P()``): zero1's
 error, naming the fix, comes instead of JAX's "Sharding passed to jit does
-not match the sharding on the respective arg", on Auto and Explicit axes.
+not match the sharding on the respective arg", on Auto and Explicit axes;
+and at the first call where ``out_shardings`` alone give it ``P()`` (JAX
+would refuse the second).
 Shardings taken from the state itself run, and train as optax does.
 
 Weights bound: two Adam steps on a 16 x 4 linear model in float32. zero1
@@ -85,6 +87,47 @@ def test_state_shardings_from_the_state_train_as_optax(kind):
     np.testing.assert_allclose(p[k], q[k], rtol=0, atol=_atol(q[k]))
   mu = jax.tree.leaves(s.inner[0].mu["w"])[0]   # in a flax box once flax is imported
   assert mu.sharding.shard_shape(mu.shape)[0] * N == mu.shape[0]   # 1/N kept
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_state_given_p_in_out_shardings_only_is_named_at_the_first_call(kind):
+  """in_shardings the state's own, out_shardings P(): the first call would
+  run and return the state whole on every device, and JAX would refuse the
+  second (on Auto axes reusing the first trace, so nothing of zero1 runs
+  before its error). zero1 refuses the first call, naming the fix."""
+  mesh, rep, rows, params, x, make = _program(kind)
+  tx = z1.zero1(optax.adam(LR), axis_name="data", mesh=mesh)
+  state = tx.init(params)
+  sh = jax.tree.map(lambda a: a.sharding, state)
+  step = jax.jit(make(tx), in_shardings=(rep, sh, rows), out_shardings=(rep, rep))
+  with jax.set_mesh(mesh), pytest.raises(ValueError) as e:
+    step(params, state, x)
+  msg = str(e.value)
+  assert msg.startswith("zero1: this jit's out_shardings give zero1's "
+                        "optimizer state"), msg
+  assert "in_shardings P('data'" in msg and "only P()" in msg, msg
+  assert "jax.tree.map(lambda x: x.sharding, opt_state)" in msg, msg
+  assert "args[1]" in msg, msg
+
+
+@pytest.mark.parametrize("out", ["state's own", "None"])
+def test_out_shardings_that_may_keep_the_placement_run(out):
+  """No refusal unless the state can only come out placed otherwise: its
+  own shardings, or an unspecified entry (jit keeps what the step
+  computes), run twice."""
+  mesh, rep, rows, params, x, make = _program(AxisType.Auto)
+  tx = z1.zero1(optax.adam(LR), axis_name="data", mesh=mesh)
+  state = tx.init(params)
+  sh = jax.tree.map(lambda a: a.sharding, state)
+  entry = {"state's own": sh, "None": None}[out]
+  step = jax.jit(make(tx), in_shardings=(rep, sh, rows),
+                 out_shardings=(rep, entry))
+  p, s = params, state
+  with jax.set_mesh(mesh):
+    for _ in range(2):
+      p, s = step(p, s, x)
+  mu = jax.tree.leaves(s.inner[0].mu["w"])[0]
+  assert mu.sharding.shard_shape(mu.shape)[0] * N == mu.shape[0]
 
 
 def test_other_arguments_mismatched_are_left_to_jax():

@@ -15,6 +15,14 @@ check would (a committed array whose sharding differs from the jit's); when
 the frame cannot be read (another jax), it does nothing and JAX's error
 stands.
 
+The same frame holds the jit's ``out_shardings``. A jit that takes the state
+with its own placement and gives it ``P()`` in ``out_shardings`` only runs
+its first call; JAX refuses the second, handed the replicated state, and on
+Auto axes reuses the first trace, so no zero1 code runs before that error.
+:func:`check` raises at the first call instead where that is certain: no
+``out_shardings`` leaf is the placement of a sharded state leaf (wherever the
+new state lands among the outputs, it is placed otherwise).
+
 Example (what the error says)::
 
   step = jax.jit(step, in_shardings=(rep, NamedSharding(mesh, P()), rows))
@@ -88,21 +96,71 @@ def _mismatches(frame) -> list[tuple[str, Any, Any]]:
   return out
 
 
+def _out_mismatches(frame) -> list[tuple[str, Any, Any]]:
+  """(path, the jit's in_sharding, its out_shardings) of each sharded state
+  leaf that the jit of ``frame`` takes with its own placement and can only
+  return otherwise: no leaf of ``out_shardings`` is that placement, so
+  wherever the new state lands among the outputs it is placed another way,
+  and the next call, handed it, is refused. Empty where any ``out_shardings``
+  leaf is left unspecified (the state may keep its placement there)."""
+  loc = frame.f_locals
+  vals = getattr(loc.get("args_ft"), "vals", None)
+  shardings = loc.get("in_shardings_flat")
+  outs = loc.get("out_shardings_leaves")
+  if vals is None or shardings is None or not outs:
+    return []
+  vals, shardings, outs = list(vals), list(shardings), list(outs)
+  if (len(vals) != len(shardings)
+      or not all(isinstance(o, jax.sharding.Sharding) for o in outs)):
+    return []
+  ids = _state_leaf_ids(loc.get("args"), loc.get("kwargs"))
+  found = []
+  for x, s in zip(vals, shardings):
+    if (id(x) not in ids or not isinstance(x, jax.Array)
+        or isinstance(x, jax.core.Tracer)
+        or not isinstance(s, jax.sharding.Sharding)
+        or x.sharding.is_fully_replicated
+        or not x.sharding.is_equivalent_to(s, x.ndim)):
+      continue
+    if not any(o.is_equivalent_to(s, x.ndim) for o in outs):
+      found.append((ids[id(x)], s, outs))
+  return found
+
+
+def _first(find) -> list:
+  try:
+    return next((m for m in map(find, _jit_frames()) if m), [])
+  except Exception:   # jax internals other than read here: JAX's error stands
+    return []
+
+
 def check() -> None:
   """Raises zero1's error where the ``jax.jit`` being traced gives state
-  leaves passed to it other ``in_shardings`` than their own placement."""
-  try:
-    bad = next((m for m in map(_mismatches, _jit_frames()) if m), [])
-  except Exception:   # jax internals other than read here: JAX's error stands
-    return
-  if not bad:
-    return
-  path, want, has = bad[0]
+  leaves passed to it other ``in_shardings`` than their own placement, or
+  takes them with their placement in ``in_shardings`` and can only return
+  them placed otherwise (``P()`` in ``out_shardings``): JAX would refuse the
+  next call, and on Auto axes nothing of zero1 runs before it (the first
+  trace is reused)."""
   spec = lambda s: getattr(s, "spec", s)
-  raise ValueError(
-      f"zero1: this jit's in_shardings give zero1's optimizer state another "
-      f"placement than the arrays passed: {len(bad)} state leaves (e.g. "
-      f"{path}: in_shardings {spec(want)}, the array {spec(has)}). JAX would "
-      f"refuse the call (\"Sharding passed to jit does not match the sharding "
-      f"on the respective arg\"); with the state given P() every device would "
-      f"hold all of it, the saving gone. " + FIX)
+  bad = _first(_mismatches)
+  if bad:
+    path, want, has = bad[0]
+    raise ValueError(
+        f"zero1: this jit's in_shardings give zero1's optimizer state another "
+        f"placement than the arrays passed: {len(bad)} state leaves (e.g. "
+        f"{path}: in_shardings {spec(want)}, the array {spec(has)}). JAX would "
+        f"refuse the call (\"Sharding passed to jit does not match the sharding "
+        f"on the respective arg\"); with the state given P() every device would "
+        f"hold all of it, the saving gone. " + FIX)
+  bad = _first(_out_mismatches)
+  if bad:
+    path, want, outs = bad[0]
+    given = sorted({str(spec(o)) for o in outs})
+    raise ValueError(
+        f"zero1: this jit's out_shardings give zero1's optimizer state another "
+        f"placement than its in_shardings: {len(bad)} state leaves (e.g. "
+        f"{path}: in_shardings {spec(want)}; out_shardings has none such, only "
+        f"{', '.join(given)}). The state this call returns would be placed "
+        f"otherwise, and JAX would refuse the next call, handed it (\"Sharding "
+        f"passed to jit does not match the sharding on the respective arg\"); "
+        f"given P() every device would hold all of it, the saving gone. " + FIX)
