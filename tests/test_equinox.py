@@ -58,9 +58,11 @@ def _mlp():
   return eqx.nn.MLP(6, 3, width_size=16, depth=1, key=jax.random.key(0))
 
 
-def test_replicating_model_and_state_warns_with_the_one_change():
+@pytest.mark.parametrize("with_params", [False, True])
+def test_replicating_model_and_state_warns_with_the_one_change(with_params):
   """Equinox's parallelism example: eqx.filter_shard((model, opt_state),
-  replicated) inside the step. The warning names the change."""
+  replicated) inside the step, and optim.update(grads, opt_state) without
+  params as it writes it. The warning names the change."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   replicated = NamedSharding(mesh, P())
   model = _mlp()
@@ -71,8 +73,9 @@ def test_replicating_model_and_state_warns_with_the_one_change():
   def step(model, opt_state, x):
     model, opt_state = eqx.filter_shard((model, opt_state), replicated)
     grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
-    updates, opt_state = tx.update(grads, opt_state,
-                                   eqx.filter(model, eqx.is_inexact_array))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    updates, opt_state = (tx.update(grads, opt_state, params) if with_params
+                          else tx.update(grads, opt_state))
     return eqx.apply_updates(model, updates), opt_state
 
   x = jax.device_put(jnp.ones((16, 6)), NamedSharding(mesh, P("data")))

@@ -305,12 +305,18 @@ def test_updates_come_in_the_param_dtype_and_fit_lax_cond():
   np.testing.assert_array_equal(np.asarray(u["w"], np.float32), -0.25)
 
 
-def test_update_without_params_says_why():
+def test_update_without_params_eagerly_is_the_update_with_them():
+  """optax's update(grads, state), called eagerly: the same updates and
+  state as with params, to the bit (tests/test_params_free.py has the jit
+  programs and the refusals)."""
   tx = z1.zero1(optax.adam(0.1), axis_name="data")
+  g = {"w": jnp.linspace(-1.0, 1.0, 16)}
   with jax.set_mesh(mesh(N)):
     s = tx.init({"w": jnp.ones(16)})
-    with pytest.raises(ValueError, match="its own master"):
-      tx.update({"w": jnp.ones(16)}, s)
+    got = tx.update(g, s)
+    want = tx.update(g, s, {"w": jnp.ones(16)})
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_complex_params_train_in_train_step():

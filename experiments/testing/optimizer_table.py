@@ -73,9 +73,18 @@ REASONS = {
         "fp16 params in plain jit without an explicit loss-scale choice "
         "(z1.loss_scale / z1.zero1(..., loss_scale=...)): never a silent "
         "/65,536"),
-    "refused:update needs params": (
-        "tx.update(grads, state) without params: a float32 param is its own "
-        "master, so zero1 needs params to slice it"),
+    "refused:update needs params here": (
+        "tx.update(grads, state) without params, where zero1's update is "
+        "computed from them: a bf16 / fp16 param (its fp32 master is in the "
+        "state; the update is the new weights minus params). Without params "
+        "float32 params train as with optax's update(grads, state)"),
+    "refused:update's state is not zero1's but a ReduceLROnPlateauState": (
+        "the test builds the inner optimizer's state itself and hands it to "
+        "zero1's update"),
+    "refused:update's grads are not of the params' structure this state w": (
+        "the test inits on one tree (a bare scalar) and updates another (a "
+        "dict): with params zero1 checks the grads against them, without "
+        "against the tree the state was built for"),
     "refused:update needs the gradients": (
         "tx.update(None, state, params): nothing to reduce and update"),
 }
@@ -95,7 +104,7 @@ def _opt(params: str) -> str | None:
 
 
 # Refusals of the call, not of the optimizer: any optimizer gets them there.
-CALL_REFUSALS = ("refused:float16 params", "refused:update needs params",
+CALL_REFUSALS = ("refused:float16 params", "refused:update needs params here",
                  "refused:update needs the gradients")
 
 

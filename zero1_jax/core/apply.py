@@ -41,6 +41,7 @@ from zero1_jax.core import elementwise as ew
 from zero1_jax.core import grad_norm
 from zero1_jax.core import grad_reduce as reduce
 from zero1_jax.core import inner_update
+from zero1_jax.core import params_free
 from zero1_jax.core import plan as plans
 from zero1_jax.core import precision
 from zero1_jax.core.gather import gather
@@ -55,7 +56,7 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
           as_updates: bool = False, order: Sequence[int] | None = None,
           platform: str | None = None, shards_in: dict | None = None,
           shard_out: Sequence[int] = (), reduced_extra: dict | None = None,
-          gather_groups: Sequence | None = None
+          gather_groups: Sequence | None = None, params_given: bool = True
           ) -> tuple[Any, Zero1State, StepInfo]:
   """``(new params, new state, StepInfo)`` from ``grads`` (what they are:
   ``grads_are``, :mod:`.grad_reduce`); ``as_updates``: optax's updates
@@ -73,7 +74,10 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
   gradient summed over every device already, this device's shard} added to
   the reduced sums (row lookups served from stored shards, :mod:`.lookup`);
   ``gather_groups``: the groups the backward reduce-scattered, gathered
-  group by group (:func:`.plan.backward_buckets`).
+  group by group (:func:`.plan.backward_buckets`); ``params_given`` False:
+  ``params`` are the gradients standing in for them (optax's
+  ``update(grads, state)``, :mod:`.params_free`), the inner optimizer is
+  handed None.
   """
   if grads_are == SHARDS:   # z1.value_and_grad's: reduced in the backward
     grads_are, pre_reduced = LOCAL, True
@@ -101,7 +105,9 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
   # 3. The inner update on the master shards.
   pairs, new_state = inner_update.update(
       tx.inner, cfg, layout, state, g.grads, p_leaves, scaler, g.skipped,
-      extra_args, shards_in)
+      extra_args, shards_in, params_given)
+  if not params_given:
+    params_free.check_u(pairs, p_leaves, layout, cfg.master_dtype)
   # 4. Gather the new weights (or optax's updates) in the param dtypes.
   out = gather(pairs, p_leaves, layout, plan.gather_buckets, cfg.axis_name,
                cfg.master_dtype, as_updates)

@@ -47,19 +47,21 @@ def master_view(stored: Sequence, params: Sequence, layout: lay.Layout,
 
 def inner_step(inner: optax.GradientTransformation, layout: lay.Layout,
                skipped: jax.Array | None, extra_args: dict | None,
-               grads: list, inner_state: Any, view: list
-               ) -> tuple[list, Any]:
+               grads: list, inner_state: Any, view: list,
+               params_given: bool = True) -> tuple[list, Any]:
   """``([(new master, u) per leaf], new inner state)``: one inner update
-  (``extra_args`` forwarded where it takes them); where ``skipped`` (None:
-  the loss scale never skips) is true, the old master and state and a zero
-  ``u``. Leaf lists indexed like ``layout.leaves`` (None where static)."""
+  (``extra_args`` forwarded where it takes them; params None unless
+  ``params_given``); where ``skipped`` (None: the loss scale never skips) is
+  true, the old master and state and a zero ``u``. Leaf lists indexed like
+  ``layout.leaves`` (None where static)."""
   view = layout.inner_tree(view)
   g_tree = layout.inner_tree(grads)
+  handed = view if params_given else None
   if extra_args:   # forwarded where the inner update takes them
     updates, new_inner = optax.with_extra_args_support(inner).update(
-        g_tree, inner_state, view, **extra_args)
+        g_tree, inner_state, handed, **extra_args)
   else:
-    updates, new_inner = inner.update(g_tree, inner_state, view)
+    updates, new_inner = inner.update(g_tree, inner_state, handed)
   new_view = optax.apply_updates(view, updates)
   if skipped is not None:
     keep = lambda old, new: jax.tree.map(
@@ -76,11 +78,12 @@ def inner_step(inner: optax.GradientTransformation, layout: lay.Layout,
 def update(inner: optax.GradientTransformation, cfg: Any, layout: lay.Layout,
            state: Zero1State, grads: dict[int, jax.Array], params: Sequence,
            scaler: precision.LossScale, skipped: jax.Array,
-           extra_args: dict | None = None, shards_in: dict | None = None
-           ) -> tuple[list, Zero1State]:
+           extra_args: dict | None = None, shards_in: dict | None = None,
+           params_given: bool = True) -> tuple[list, Zero1State]:
   """``([(new master, u) per leaf], new state)``: stage 3 on the scaled
   gradient shards ``grads`` (``{leaf: shard}``), the loss scale advanced
-  past this step."""
+  past this step; the inner optimizer handed params None unless
+  ``params_given`` (``params`` then stand-ins, :mod:`.params_free`)."""
   stored = chk.check_master(state, layout, cfg.master_dtype)
   view = master_view(stored, params, layout, cfg.axis_name, shards_in)
   g_list = [grads.get(i) for i in range(len(layout.leaves))]
@@ -88,7 +91,7 @@ def update(inner: optax.GradientTransformation, cfg: Any, layout: lay.Layout,
   def step(g_list, inner_state, view):
     return inner_step(inner, layout,
                       skipped if scaler.skips_on_overflow else None,
-                      extra_args, g_list, inner_state, view)
+                      extra_args, g_list, inner_state, view, params_given)
 
   if cfg.offload:   # one group of host-resident state at a time
     pairs, new_inner = ofl.streamed(

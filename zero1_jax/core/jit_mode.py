@@ -172,7 +172,8 @@ SHARDED_2D = (
 
 
 def update(tx: Any, grads: Any, state: Any, params: Any,
-           extra_args: dict | None = None) -> tuple[Any, Any]:
+           extra_args: dict | None = None, params_given: bool = True
+           ) -> tuple[Any, Any]:
   """``tx.update(grads, state, params)`` outside shard_map, on the gradients
   ``jax.grad`` returns under jit: ``tx.apply`` (the per-device update) on
   them as :mod:`.grad_reduce` says they are; ``extra_args``' arrays
@@ -180,7 +181,8 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
   cannot close over them), the rest is closed over. Updates come out typed and
   sharded like ``params`` (replicated or ``reduced`` over the axis, and
   their own sharding over other axes), so ``optax.apply_updates`` keeps the
-  params' placement."""
+  params' placement. ``params_given`` False: ``params`` are the gradients
+  standing in for them (:mod:`.params_free`)."""
   jit_args.check()   # in_shardings giving the state P(): zero1 speaks first
   axis = tx.config.axis_name
   mesh, where = jit_mesh.find_mesh(axis, params, grads, state,
@@ -230,7 +232,8 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
       lambda g, s, p, a: tx.apply(g, s, p, mode, param_axes=pa,
                                   extra_args=extra(a), as_updates=True,
                                   platform=platforms.resolve(where),
-                                  gather_groups=groups)[:2],
+                                  gather_groups=groups,
+                                  params_given=params_given)[:2],
       mesh=mesh, in_specs=(g_specs, s_specs, p_specs, [P()] * len(arrays)),
       out_specs=(p_specs, s_specs), check_vma=False)
   return jax.jit(f)(grads, state, params, arrays)

@@ -89,6 +89,13 @@ STATEFUL = (
     "state=None is for an inner optimizer that keeps no state, as in optax.")
 
 
+def leafless(state: Any) -> bool:
+  """Whether ``state`` is an empty state of optax's own (``{}``,
+  ``optax.EmptyState()``), as optax's tests hand a stateless transformation:
+  read as None (zero1's own state always holds its loss-scale scalars)."""
+  return not isinstance(state, Zero1State) and not jax.tree.leaves(state)
+
+
 def check_none_state(inner: optax.GradientTransformation, params: Any,
                      loss_scale: precision.LossScale | None) -> None:
   """ValueError unless ``update(..., state=None, ...)`` can start from a

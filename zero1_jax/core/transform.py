@@ -50,6 +50,7 @@ from zero1_jax.core import jit_mode as jm
 from zero1_jax.core import offload as ofl
 from zero1_jax.core import optax_protocol as proto
 from zero1_jax.core import param_axes as pax
+from zero1_jax.core import params_free
 from zero1_jax.core import precision
 from zero1_jax.core import state_init
 from zero1_jax.core.grad_reduce import LOCAL
@@ -57,13 +58,6 @@ from zero1_jax.core.state import Zero1State
 # StepInfo, Zero1Config, Zero1State: z1's names, resolved here (__init__.py).
 from zero1_jax.core.tx_config import (MULTISTEPS_CLIP, StepInfo, Zero1Config,
                                       Zero1Transformation)
-
-
-NEEDS_PARAMS = (
-    "zero1: update needs params: tx.update(grads, state, params). A "
-    "parameter already in its master dtype (float32 params) is its own "
-    "master, so the state keeps no copy of it; each step slices this "
-    "device's shard from params.")
 
 
 def zero1(inner: optax.GradientTransformation, *, axis_name: str,
@@ -224,24 +218,31 @@ class _Calls:
   def update_fn(self, updates=None, state=None, params=None, **extra_args):
     tx = self.tx
     grads, extra_args = proto.updates_arg(updates, extra_args)
-    if params is None:
-      raise ValueError(NEEDS_PARAMS)
-    if state is None:   # a stateless inner, as optax's tests update it
+    given = params is not None
+    if not given:   # optax's update(grads, state): the grads stand in
+      params = params_free.stand_in(proto.arrays(pax.strip_variables(grads)),
+                                    tx.config.master_dtype)
+    # A stateless inner, as optax's tests update it (None, {}, EmptyState()).
+    if state is None or proto.leafless(state):
       proto.check_none_state(tx.inner, pax.strip_variables(params),
                              tx.config.loss_scale)
       state = self.init_fn(params)
+    if not given:
+      params_free.check_state(boxes.strip(state), params)
     step = fresh_state.owner_step(tx)   # a TrainState's, an nnx.Optimizer's
     if step is not None:
       fresh_state.warn_if_new(boxes.strip(state), step)
-    like = params
+    like = params if given else grads
     grads = proto.arrays(pax.strip_variables(grads))
     params = proto.arrays(pax.strip_variables(params))
     if not col.axis_bound(tx.config.axis_name):   # plain jit / eager
-      updates, new_state = jm.update(tx, grads, state, params, extra_args)
+      updates, new_state = jm.update(tx, grads, state, params, extra_args,
+                                     params_given=given)
       new_state = boxes.rebox(state, new_state)
     else:
       updates, new_state, _ = tx.apply(grads, state, params, LOCAL,
-                                       extra_args=extra_args, as_updates=True)
+                                       extra_args=extra_args, as_updates=True,
+                                       params_given=given)
     return boxes.rebox(like, updates), new_state
 
 
