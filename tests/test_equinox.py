@@ -86,6 +86,39 @@ def test_replicating_model_and_state_warns_with_the_one_change(with_params):
   assert "Every misplaced leaf is whole on each device" in msg, msg
 
 
+def test_a_state_replicated_on_the_way_out_warns_once_a_compile():
+  """The state constrained replicated only as the step returns it: the
+  first step takes it as tx.init placed it (nothing to say); the next one,
+  handed it replicated, compiles the cached trace again on Auto axes and
+  runs the placement callbacks again. One warning, with every leaf's bytes,
+  not one a leaf with the totals of a mix of the two compiles."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  replicated = NamedSharding(mesh, P())
+  model = _mlp()
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
+  opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+  @eqx.filter_jit
+  def step(model, opt_state, x):
+    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    updates, opt_state = tx.update(grads, opt_state)
+    return eqx.filter_shard((eqx.apply_updates(model, updates), opt_state),
+                            replicated)
+
+  x = jax.device_put(jnp.ones((16, 6)), NamedSharding(mesh, P("data")))
+  model = eqx.filter_shard(model, replicated)
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    model, opt_state = step(model, opt_state, x)
+    assert not [m for m in w if "zero1" in str(m.message)]
+    for _ in range(2):
+      model, opt_state = step(model, opt_state, x)
+  got = [str(m.message) for m in w if "zero1" in str(m.message)]
+  leaves = sum(1 for a in jax.tree.leaves(opt_state) if a.ndim)
+  assert len(got) == 1, got
+  assert f"{leaves} of {leaves} state leaves" in got[0], got[0]
+
+
 def test_init_before_anything_is_placed_names_mesh_keyword():
   tx = z1.zero1(optax.adam(1e-2), axis_name="data")
   with pytest.raises(ValueError, match=r"no mesh with axis 'data'.*Equinox.*"

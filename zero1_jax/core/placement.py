@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 from typing import Any, Mapping
@@ -108,6 +109,9 @@ class _Report:
     self.got[i] = (nbytes, how)
     if len(self.got) == self.expected:
       self.emit()
+      # On Auto axes a cached trace compiled again (the state arrives placed
+      # otherwise) runs the callbacks again: one warning per compile.
+      self.got = {}
 
   def emit(self):
     bad = [i for i, (b, how) in self.got.items()
@@ -126,7 +130,23 @@ class _Report:
         f"device where zero1 planned {plan} B, and each step re-shards it. "
         + (fix_for_replicated()
            if all(self.got[i][0] == self.whole.get(i) for i in bad) else FIX),
-        UserWarning, stacklevel=2)
+        UserWarning, stacklevel=user_stacklevel())
+
+
+_LIBRARIES = ("zero1_jax", "jax", "jaxlib", "flax", "equinox", "optax")
+
+
+def user_stacklevel() -> int:
+  """``warnings.warn``'s stacklevel, called from the function that warns,
+  of the first frame outside zero1 and the libraries it runs under (the
+  program's own line: a compile-time callback runs inside jax's compile)."""
+  dirs = tuple(os.path.dirname(m.__file__) + os.sep
+               for m in map(sys.modules.get, _LIBRARIES)
+               if m is not None and getattr(m, "__file__", None))
+  f, level = sys._getframe(2), 2
+  while f is not None and f.f_code.co_filename.startswith(dirs):
+    f, level = f.f_back, level + 1
+  return level if f is not None else 2
 
 
 def check(state: Any, specs: Any, sizes: Mapping[str, int],
