@@ -97,3 +97,33 @@ def test_params_with_a_stored_master_are_asked_for():
   assert msg.startswith("zero1: update needs params here: "
                         "tx.update(grads, state, params)."), msg
   assert "grads['b'] is bfloat16: its param keeps a float32 master" in msg, msg
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_a_2d_mesh_without_params_is_the_update_with_them(kind):
+  """Params split over a "model" axis too: the gradients standing in carry
+  that placement, so the plan and the program are those with params."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
+  r = np.random.default_rng(0)
+  params = {"w": jax.device_put(r.normal(size=(12, 6)).astype(np.float32),
+                                NamedSharding(mesh, P(None, "model"))),
+            "b": jax.device_put(np.zeros(6, np.float32),
+                                NamedSharding(mesh, P("model")))}
+  x = jax.device_put(r.normal(size=(16, 12)).astype(np.float32),
+                     NamedSharding(mesh, P("data")))
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
+
+  def run(given):
+    def step(p, s):
+      g = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(p)
+      u, s = tx.update(g, s, p) if given else tx.update(g, s)
+      return optax.apply_updates(p, u), s
+    step, p = jax.jit(step), params
+    with jax.set_mesh(mesh):
+      s = tx.init(params)
+      for _ in range(STEPS):
+        p, s = step(p, s)
+    return p, s
+  for a, b in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
