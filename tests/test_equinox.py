@@ -58,16 +58,21 @@ def _mlp():
   return eqx.nn.MLP(6, 3, width_size=16, depth=1, key=jax.random.key(0))
 
 
+def _auto_program():
+  """An Auto mesh of 8, P() on it, the MLP, zero1's adam and its state."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  model = _mlp()
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
+  return (mesh, NamedSharding(mesh, P()), model, tx,
+          tx.init(eqx.filter(model, eqx.is_inexact_array)))
+
+
 @pytest.mark.parametrize("with_params", [False, True])
 def test_replicating_model_and_state_warns_with_the_one_change(with_params):
   """Equinox's parallelism example: eqx.filter_shard((model, opt_state),
   replicated) inside the step, and optim.update(grads, opt_state) without
   params as it writes it. The warning names the change."""
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  replicated = NamedSharding(mesh, P())
-  model = _mlp()
-  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
-  opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+  mesh, replicated, model, tx, opt_state = _auto_program()
 
   @eqx.filter_jit
   def step(model, opt_state, x):
@@ -92,11 +97,7 @@ def test_a_state_replicated_on_the_way_out_warns_once_a_compile():
   handed it replicated, compiles the cached trace again on Auto axes and
   runs the placement callbacks again. One warning, with every leaf's bytes,
   not one a leaf with the totals of a mix of the two compiles."""
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  replicated = NamedSharding(mesh, P())
-  model = _mlp()
-  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
-  opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+  mesh, replicated, model, tx, opt_state = _auto_program()
 
   @eqx.filter_jit
   def step(model, opt_state, x):

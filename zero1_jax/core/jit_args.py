@@ -72,9 +72,9 @@ def _state_leaf_ids(args: tuple, kwargs: dict) -> dict[int, str]:
   return found
 
 
-def _mismatches(frame) -> list[tuple[str, Any, Any]]:
-  """(path, jit sharding, array sharding) of each state leaf the jit of
-  ``frame`` would refuse."""
+def _state_args(frame) -> list[tuple[str, jax.Array, Any]]:
+  """(path, array, the jit's in_sharding) of each state leaf passed as an
+  array to the jit of ``frame`` whose ``in_shardings`` name a sharding."""
   loc = frame.f_locals
   vals = getattr(loc.get("args_ft"), "vals", None)
   shardings = loc.get("in_shardings_flat")
@@ -84,16 +84,18 @@ def _mismatches(frame) -> list[tuple[str, Any, Any]]:
   if len(vals) != len(shardings):
     return []
   ids = _state_leaf_ids(loc.get("args"), loc.get("kwargs"))
-  out = []
-  for x, s in zip(vals, shardings):
-    if (id(x) not in ids or not isinstance(x, jax.Array)
-        or isinstance(x, jax.core.Tracer)
-        or not isinstance(s, jax.sharding.Sharding)
-        or not getattr(x, "committed", True)):
-      continue
-    if not x.sharding.is_equivalent_to(s, x.ndim):
-      out.append((ids[id(x)], s, x.sharding))
-  return out
+  return [(ids[id(x)], x, s) for x, s in zip(vals, shardings)
+          if id(x) in ids and isinstance(x, jax.Array)
+          and not isinstance(x, jax.core.Tracer)
+          and isinstance(s, jax.sharding.Sharding)]
+
+
+def _mismatches(frame) -> list[tuple[str, Any, Any]]:
+  """(path, jit sharding, array sharding) of each state leaf the jit of
+  ``frame`` would refuse."""
+  return [(path, s, x.sharding) for path, x, s in _state_args(frame)
+          if getattr(x, "committed", True)
+          and not x.sharding.is_equivalent_to(s, x.ndim)]
 
 
 def _out_mismatches(frame) -> list[tuple[str, Any, Any]]:
@@ -103,28 +105,13 @@ def _out_mismatches(frame) -> list[tuple[str, Any, Any]]:
   wherever the new state lands among the outputs it is placed another way,
   and the next call, handed it, is refused. Empty where any ``out_shardings``
   leaf is left unspecified (the state may keep its placement there)."""
-  loc = frame.f_locals
-  vals = getattr(loc.get("args_ft"), "vals", None)
-  shardings = loc.get("in_shardings_flat")
-  outs = loc.get("out_shardings_leaves")
-  if vals is None or shardings is None or not outs:
+  outs = list(frame.f_locals.get("out_shardings_leaves") or ())
+  if not outs or not all(isinstance(o, jax.sharding.Sharding) for o in outs):
     return []
-  vals, shardings, outs = list(vals), list(shardings), list(outs)
-  if (len(vals) != len(shardings)
-      or not all(isinstance(o, jax.sharding.Sharding) for o in outs)):
-    return []
-  ids = _state_leaf_ids(loc.get("args"), loc.get("kwargs"))
-  found = []
-  for x, s in zip(vals, shardings):
-    if (id(x) not in ids or not isinstance(x, jax.Array)
-        or isinstance(x, jax.core.Tracer)
-        or not isinstance(s, jax.sharding.Sharding)
-        or x.sharding.is_fully_replicated
-        or not x.sharding.is_equivalent_to(s, x.ndim)):
-      continue
-    if not any(o.is_equivalent_to(s, x.ndim) for o in outs):
-      found.append((ids[id(x)], s, outs))
-  return found
+  return [(path, s, outs) for path, x, s in _state_args(frame)
+          if not x.sharding.is_fully_replicated
+          and x.sharding.is_equivalent_to(s, x.ndim)
+          and not any(o.is_equivalent_to(s, x.ndim) for o in outs)]
 
 
 def _first(find) -> list:
