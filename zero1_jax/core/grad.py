@@ -135,6 +135,9 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     gpu_like = platform != "cpu"
     order = ordering.first_reads(plain, params, *args,
                                  lookups=lookups) if gpu_like else None
+    # Across hosts: small-leaf groups between in-place leaves, the chain
+    # kept whole (zero2.hook_groups).
+    apart = gpu_like and not platforms.one_host(where)
 
     def per_device(p, *a):
       tables = {i: col.local_shard(x, layout.leaves[i], axis)
@@ -149,7 +152,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
         return loss, (loss, aux)
       g, (loss, aux) = zero2.reduced_grad_fn(
           loss_of, p, cfg, n, order, platform, tables or None,
-          chain=gpu_like)(a)
+          chain=gpu_like, across_hosts=apart)(a)
       if lookups:   # the lookups' gradient, summed over every device already
         g, g_tables = g
         g = _add_tables(g, g_tables)
@@ -172,7 +175,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     # tx.update gathers the new weights in the groups the backward reduced
     # (core/plan.py backward_buckets); CPU keeps its packed plan.
     groups = (None if platform == "cpu"
-              else zero2.backward_groups(layout, cfg, order, platform))
+              else zero2.backward_groups(layout, cfg, order, platform, apart))
     return value, sharded_grads.publish(grads, params, n, groups)
 
   return f

@@ -1,0 +1,152 @@
+"""Plain jit with z1.value_and_grad compiled for 16 H100s on 2 hosts, without
+a GPU: the reduce-scatter groups the backward's hooks make across hosts,
+read from the groups and from XLA's GPU program (zero1_jax.inspect.gpu).
+
+Structure, never time. Across hosts ``inplace_bytes="auto"`` packs every
+leaf into buckets in the backward's order (on one host each large leaf is
+reduced alone), every group's reduce-scatter waits for the one before it
+all along the backward (no link of the chain left without a user for XLA
+to cut), and ``tx.update`` gathers the new weights in those same groups
+(XLA's estimates: experiments/gpu/aot.py, docs/gpu.md).
+
+The model is tests/test_gpu_aot.py's 4-layer BERT with 1 MiB buckets.
+"""
+
+import jax
+import pytest
+
+from experiments.gpu import aot as gpu_aot
+from zero1_jax.core import layout as lay
+from zero1_jax.core import zero2
+from zero1_jax.inspect import gpu, hlo_graph
+
+MODEL, BUCKET = "small-bert", 1 << 20
+
+
+def groups_of(across_hosts: bool, **kw) -> list[list[int]]:
+  """hook_groups of the model's params on 16 GPUs (tree order as the
+  backward's reverse); ``kw``: z1.zero1's keywords (or ``stage=2``)."""
+  import zero1_jax as z1
+  shapes = gpu_aot.model(MODEL, "fp32")[0]
+  make = z1.zero2 if kw.pop("stage", 1) == 2 else z1.zero1
+  cfg = make(gpu_aot.optimizer(), axis_name="data", bucket_bytes=BUCKET,
+             **kw).config
+  return zero2.hook_groups(lay.plan(shapes, 16), cfg, None, "gpu",
+                           across_hosts)
+
+
+def test_across_hosts_auto_packs_plain_jits_hooks():
+  """``inplace_bytes="auto"``, stage 1, data axis over several hosts: every
+  leaf packed into buckets in the backward's order, as with
+  ``inplace_bytes=None``; on one host each large leaf is reduced alone. A
+  number the user sets, and stage 2 (whose point is the memory), keep
+  their leaves in place across hosts too."""
+  packed = groups_of(False, inplace_bytes=None)
+  assert groups_of(True) == packed
+  assert groups_of(False) != packed
+  assert len(groups_of(False)) > len(packed)
+  assert groups_of(True, inplace_bytes=1 << 16) == groups_of(
+      False, inplace_bytes=1 << 16)
+  assert groups_of(True, stage=2) == groups_of(False, stage=2) != groups_of(
+      False, stage=2, inplace_bytes=None)
+
+
+@pytest.fixture(scope="module")
+def program():
+  """jit_vg's GPU program for 16 GPUs on 2 hosts: its entry computation's
+  instructions and their data dependencies."""
+  low = gpu_aot.lower("jit_vg", MODEL, "fp32", gpu.mesh(16, hosts=2),
+                      bucket_bytes=BUCKET)
+  c, _ = gpu.compile(low)
+  module = hlo_graph.parse(c.as_text())
+  instrs = module.computations[module.entry]
+  return instrs, hlo_graph.dependencies(instrs)
+
+
+def starts(instrs, kind: str) -> list[int]:
+  return [k for k, i in enumerate(instrs)
+          if i.opcode in (kind, f"{kind}-start")
+          or (i.opcode == "async-start" and kind in i.attrs)]
+
+
+def test_every_reduce_scatter_waits_for_all_before_it_across_hosts(program):
+  """The chain holds over every group: the reduce-scatters are totally
+  ordered, the k-th waiting for the k before it (with the token's last
+  link unused, XLA kept 4-5 groups of it and the rest waited for none).
+  Read from jax 0.10.2's program; jax 0.12's schedules by the same
+  barriers but drops them from the program it prints."""
+  if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11):
+    pytest.skip("jax 0.12's compiled program no longer shows the barriers")
+  instrs, deps = program
+  rs = [deps.node_of[k] for k in starts(instrs, "reduce-scatter")]
+  before = sorted(sum(deps.ancestors[r] >> q & 1 for q in rs) for r in rs)
+  assert len(rs) > 4 and before == list(range(len(rs))), before
+
+
+def test_each_gather_follows_one_reduce_scatter_group_across_hosts(program):
+  """tx.update gathers in the groups the backward reduce-scattered (the
+  same across-hosts groups): each gather of new weights waits for a
+  different reduce-scatter and those before it, none for two groups'
+  results that no single one's wait covers."""
+  instrs, deps = program
+  rs = [deps.node_of[k] for k in starts(instrs, "reduce-scatter")]
+  waits_for = lambda node: frozenset(r for r in rs
+                                     if deps.ancestors[node] >> r & 1)
+  closure = {waits_for(r) | {r}: r for r in rs}
+  mine = [closure.get(waits_for(deps.node_of[k]))
+          for k in starts(instrs, "all-gather")
+          if waits_for(deps.node_of[k])]
+  assert len(mine) > 4 and None not in mine, mine
+  assert len(set(mine)) == len(mine)
+
+
+def test_across_hosts_groups_and_chain_leave_the_values_bitwise():
+  """The across-hosts groups and the chain's tie change which collective
+  carries a leaf and what waits for what, not a value: on 8 CPU devices
+  each device's gradient shards and the loss are bitwise those of the
+  one-host groups (a reduce-scatter sums each element over the same
+  devices, whatever it is packed with; the tie adds 0 times the token)."""
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import PartitionSpec as P
+  import zero1_jax as z1
+
+  rng = np.random.default_rng(0)
+  shapes = {"w1": (24, 16), "b1": (16,), "w2": (16, 8), "b2": (8,),
+            "ln": (8,), "w3": (8, 2560)}
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32)
+            for k, s in shapes.items()}
+  x = jnp.asarray(rng.normal(size=(8 * 4, 24)), jnp.float32)
+
+  def loss_fn(p, xb):
+    h = jnp.tanh(xb @ p["w1"] + p["b1"])
+    h = jnp.tanh(h @ p["w2"] + p["b2"]) * p["ln"]
+    loss = jnp.mean((h @ p["w3"]) ** 2)
+    return loss, (loss, None)
+
+  cfg = z1.zero1(optax.adam(1e-3), axis_name="data").config
+  mesh = jax.make_mesh((8,), ("data",))
+  layout = lay.plan(params, 8)
+  apart, packed = (zero2.hook_groups(layout, cfg, None, "gpu", a)
+                   for a in (True, False))
+  assert apart != packed, packed
+
+  def run(across):
+    def per_device(p, xb):
+      g, (loss, _) = zero2.reduced_grad_fn(
+          loss_fn, p, cfg, 8, None, "gpu", chain=True,
+          across_hosts=across)(xb)
+      return jax.tree.map(lambda a: a[None], g), loss[None]
+    shard_map = getattr(jax, "shard_map", None) or __import__(
+        "jax.experimental.shard_map", fromlist=["shard_map"]).shard_map
+    f = shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")),
+                  out_specs=P("data"), check_vma=False)
+    put = lambda t, spec: jax.device_put(
+        t, jax.sharding.NamedSharding(mesh, spec))
+    return jax.jit(f)(put(params, P()), put(x, P("data")))
+
+  (g1, l1), (g0, l0) = run(True), run(False)
+  assert np.array_equal(np.asarray(l1), np.asarray(l0))
+  for k in shapes:
+    assert np.array_equal(np.asarray(g1[k]), np.asarray(g0[k])), k
