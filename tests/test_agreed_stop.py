@@ -118,7 +118,18 @@ def test_publishing_the_step_itself_is_not_enough():
   assert failures > 0
 
 
-def test_the_first_ctrl_c_asks_and_the_second_stops_at_once(capsys):
+@pytest.fixture
+def python_sigint():
+  """Python's own SIGINT handler, as in a terminal (a shell starts a
+  background job, ``make test &``, with SIGINT ignored, which AgreedStop
+  keeps), restored afterwards."""
+  old = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, old)
+
+
+def test_the_first_ctrl_c_asks_and_the_second_stops_at_once(capsys,
+                                                              python_sigint):
   """In a job the first SIGINT only asks (and says so on process 0); the
   second raises KeyboardInterrupt where it lands, as a lone process does."""
   stop = agreed_stop.AgreedStop(Store(), 0, 2)
