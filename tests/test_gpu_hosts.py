@@ -23,7 +23,8 @@ from zero1_jax.inspect import gpu, hlo_graph
 MODEL, BUCKET = "small-bert", 1 << 20
 
 
-def groups_of(across_hosts: bool, **kw) -> list[list[int]]:
+def groups_of(across_hosts: bool, platform: str = "gpu", **kw
+              ) -> list[list[int]]:
   """hook_groups of the model's params on 16 GPUs (tree order as the
   backward's reverse); ``kw``: z1.zero1's keywords (or ``stage=2``)."""
   import zero1_jax as z1
@@ -31,7 +32,7 @@ def groups_of(across_hosts: bool, **kw) -> list[list[int]]:
   make = z1.zero2 if kw.pop("stage", 1) == 2 else z1.zero1
   cfg = make(gpu_aot.optimizer(), axis_name="data", bucket_bytes=BUCKET,
              **kw).config
-  return zero2.hook_groups(lay.plan(shapes, 16), cfg, None, "gpu",
+  return zero2.hook_groups(lay.plan(shapes, 16), cfg, None, platform,
                            across_hosts)
 
 
@@ -39,8 +40,8 @@ def test_across_hosts_auto_packs_plain_jits_hooks():
   """``inplace_bytes="auto"``, stage 1, data axis over several hosts: every
   leaf packed into buckets in the backward's order, as with
   ``inplace_bytes=None``; on one host each large leaf is reduced alone. A
-  number the user sets, and stage 2 (whose point is the memory), keep
-  their leaves in place across hosts too."""
+  number the user sets, stage 2 (whose point is the memory) and TPUs (not
+  measured) keep their leaves in place across hosts too."""
   packed = groups_of(False, inplace_bytes=None)
   assert groups_of(True) == packed
   assert groups_of(False) != packed
@@ -49,6 +50,7 @@ def test_across_hosts_auto_packs_plain_jits_hooks():
       False, inplace_bytes=1 << 16)
   assert groups_of(True, stage=2) == groups_of(False, stage=2) != groups_of(
       False, stage=2, inplace_bytes=None)
+  assert groups_of(True, "tpu") == groups_of(False, "tpu") != packed
 
 
 @pytest.fixture(scope="module")

@@ -135,9 +135,9 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     gpu_like = platform != "cpu"
     order = ordering.first_reads(plain, params, *args,
                                  lookups=lookups) if gpu_like else None
-    # Across hosts: small-leaf groups between in-place leaves, the chain
-    # kept whole (zero2.hook_groups).
-    apart = gpu_like and not platforms.one_host(where)
+    # GPUs on several hosts: the hooks' leaves packed, their chain kept
+    # whole (zero2.reduced_grad_fn; measured on GPUs only).
+    apart = platform == "gpu" and not platforms.one_host(where)
 
     def per_device(p, *a):
       tables = {i: col.local_shard(x, layout.leaves[i], axis)

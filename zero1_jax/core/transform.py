@@ -109,7 +109,7 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       no bucket copy; smaller leaves are packed into buckets of
       ``bucket_bytes``. None: pack every leaf. ``"auto"``: 64 KiB on GPU/TPU
       and for stage 2, None for stage 1 on CPU and for stage 1's hooks in
-      plain jit (``z1.value_and_grad``) over several hosts
+      plain jit (``z1.value_and_grad``) over several GPU hosts
       (:meth:`Zero1Config.inplace_threshold` says why).
     param_specs: a tree of ``PartitionSpec`` like the params, naming the mesh
       axes other than ``axis_name`` each parameter is sharded over (tensor

@@ -66,7 +66,7 @@ class Zero1Config:
     about 2x the packed one, 2.07x at N=8 and 1.69x at N=2).
 
     ``hooks_across_hosts``: for stage 1's backward hooks (plain jit with
-    ``z1.value_and_grad``) on a data axis over several hosts, ``"auto"``
+    ``z1.value_and_grad``) on a data axis over several GPU hosts, ``"auto"``
     packs every leaf too: buckets in the backward's order, one collective
     each, rather than each large leaf alone and the small ones in a bucket
     that completes only at the backward's end (:func:`~zero1_jax.core.zero2
@@ -79,7 +79,7 @@ class Zero1Config:
     if self.inplace_bytes != "auto":
       return self.inplace_bytes
     platform = platform or jax.default_backend()
-    if hooks_across_hosts and self.stage == 1 and platform != "cpu":
+    if hooks_across_hosts and self.stage == 1 and platform == "gpu":
       return None
     if self.stage == 2 or num_shards == 1 or platform != "cpu":
       return 1 << 16
