@@ -6,8 +6,9 @@ Structure, never time. Across hosts ``inplace_bytes="auto"`` packs every
 leaf into buckets in the backward's order (on one host each large leaf is
 reduced alone), every group's reduce-scatter waits for the one before it
 all along the backward (no link of the chain left without a user for XLA
-to cut), and ``tx.update`` gathers the new weights in those same groups
-(XLA's estimates: experiments/gpu/aot.py, docs/gpu.md).
+to cut), and ``tx.update`` gathers the new weights in those same groups.
+The forms that own the step pack the gathers of their stored shards there
+too (XLA's estimates: experiments/gpu/aot.py, docs/gpu.md).
 
 The model is tests/test_gpu_aot.py's 4-layer BERT with 1 MiB buckets.
 """
@@ -51,6 +52,37 @@ def test_across_hosts_auto_packs_plain_jits_hooks():
   assert groups_of(True, stage=2) == groups_of(False, stage=2) != groups_of(
       False, stage=2, inplace_bytes=None)
   assert groups_of(True, "tpu") == groups_of(False, "tpu") != packed
+
+
+def gathers(form: str, mesh, **kw) -> int:
+  """All-gathers in the form's step as jax lowers it (before XLA)."""
+  return gpu_aot.lower(form, MODEL, "fp32", mesh, bucket_bytes=BUCKET,
+                       **kw).as_text().count("stablehlo.all_gather")
+
+
+@pytest.mark.parametrize("form", ["train_step", "zero2"])
+def test_across_hosts_auto_packs_the_stored_shards_gathers(form):
+  """The forms that own the step gather the stored shards at its start.
+  Across hosts ``"auto"`` packs them into buckets: fewer, larger
+  collectives over the network than each large leaf alone, which a number
+  the user sets still asks for, as one host's ``"auto"`` does."""
+  two, one = gpu.mesh(16, hosts=2), gpu.mesh(8)
+  in_place = gathers(form, two, inplace_bytes=1 << 16)
+  assert gathers(form, two) < in_place, (gathers(form, two), in_place)
+  assert gathers(form, one) == gathers(form, one, inplace_bytes=1 << 16)
+
+
+def test_packed_gathers_across_hosts_are_no_larger_than_a_group(monkeypatch):
+  """DeepSpeed's allgather_bucket_size (5e8 elements) made one gather of
+  every stored shard once packed across hosts: the buckets "auto" packs
+  there are cut at layout.GROUP_BYTES (1 MiB here), the size the groups
+  in place have; ``inplace_bytes=None``, set by the user, keeps the
+  bucket asked for."""
+  monkeypatch.setattr(lay, "GROUP_BYTES", 1 << 20)
+  two = gpu.mesh(16, hosts=2)
+  huge = {"gather_bucket_bytes": 1 << 31}
+  assert gathers("train_step", two, **huge) >= 10
+  assert gathers("train_step", two, inplace_bytes=None, **huge) <= 3
 
 
 @pytest.fixture(scope="module")

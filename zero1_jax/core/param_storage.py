@@ -100,20 +100,30 @@ class Storage(NamedTuple):
                                      jax.tree.leaves(where)))
 
   def gather(self, params: Any, full: Any, order: Sequence[int] | None,
-             keep: frozenset[int], platform: str | None
-             ) -> tuple[Any, dict[int, jax.Array]]:
+             keep: frozenset[int], platform: str | None,
+             across_hosts: bool = False) -> tuple[Any, dict[int, jax.Array]]:
     """Inside the step's shard_map: ``(whole params, {leaf: this device's
     stored shard})``, the ``keep`` leaves of ``params`` (this device's
     shards; ``full``: the whole leaves' shapes) all-gathered in the order
-    the forward reads them."""
+    the forward reads them. ``across_hosts`` (the data axis over several
+    hosts): ``inplace_bytes="auto"`` packs them, in buckets of at most
+    :data:`~zero1_jax.core.layout.GROUP_BYTES`
+    (:meth:`~zero1_jax.core.tx_config.Zero1Config.inplace_threshold`)."""
     cfg = self.tx.config
     layout = lay.plan(full, self.n)
     leaves = jax.tree.leaves(params)
     blocks = {i: leaves[i] for i in keep}
+    small = cfg.inplace_threshold(self.n, platform,
+                                  "gathers" if across_hosts else None)
+    bucket = int(cfg.gather_bucket_bytes or cfg.bucket_bytes)
+    if small is None and cfg.inplace_threshold(self.n, platform) is not None:
+      # Packed for the hosts only: no larger than the groups in place.
+      # (DeepSpeed's 5e8-element allgather_bucket_size made one gather of
+      # every leaf: the engine's GPT-2 fp32 on 16 H100s 20,028 µs, 18,492
+      # with this cap.)
+      bucket = min(bucket, lay.GROUP_BYTES)
     buckets = lay.plan_buckets(
-        layout, tuple(jnp.dtype(x.dtype) for x in leaves),
-        int(cfg.gather_bucket_bytes or cfg.bucket_bytes),
-        cfg.inplace_threshold(self.n, platform),
+        layout, tuple(jnp.dtype(x.dtype) for x in leaves), bucket, small,
         tuple(i for i in (order or range(len(leaves))) if i in keep),
         None if order is None else "first")
     whole = col.all_gather(blocks, layout, buckets, cfg.axis_name)

@@ -252,6 +252,7 @@ class _Settings(NamedTuple):
   stage2: bool         # gradients reduce-scattered in the backward (zero2)
   shard_params: bool   # params kept as shards between steps
   lookups: bool        # row lookups of stored tables read their blocks
+  across_hosts: bool   # the data axis spans several GPU hosts
 
 
 def _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux,
@@ -279,7 +280,8 @@ def _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux,
     raise ValueError("shard_lookups=True reads row lookups from the params' "
                      "stored shards: it needs shard_params=True")
   return _Settings(loss_fn, tx, mesh, n, tx.config.axis_name, accum, has_aux,
-                   platform, stage2, shard_params, shard_lookups)
+                   platform, stage2, shard_params, shard_lookups,
+                   platform == "gpu" and not platforms.one_host(mesh))
 
 
 def _local_grads(s: _Settings, params, scale, batch, order=None, tables=None):
@@ -377,7 +379,8 @@ def _per_device(s: _Settings, storage: Storage, params,
   (the ``keep`` leaves returned as shards)."""
   blocks = {}
   if keep:   # the stored shards, gathered in the order the forward reads them
-    params, blocks = storage.gather(params, full, order, keep, s.platform)
+    params, blocks = storage.gather(params, full, order, keep, s.platform,
+                                    s.across_hosts)
   grads, g_tables, metrics = _local_grads(
       s, params, opt_state.loss_scale.scale, batch, order,
       {i: blocks[i] for i in lookups})

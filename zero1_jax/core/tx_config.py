@@ -53,7 +53,7 @@ class Zero1Config:
 
   def inplace_threshold(self, num_shards: int = 2,
                         platform: str | None = None,
-                        hooks_across_hosts: bool = False) -> int | None:
+                        across_hosts: str | None = None) -> int | None:
     """``inplace_bytes`` resolved for a program compiled for ``platform``
     (the mesh's devices' ``platform``: 'gpu', 'tpu', 'cpu'; None: jax's
     default backend). ``"auto"`` is 64 KiB on platforms whose collective
@@ -65,21 +65,32 @@ class Zero1Config:
     per large leaf instead of one of each made the overhead above the floor
     about 2x the packed one, 2.07x at N=8 and 1.69x at N=2).
 
-    ``hooks_across_hosts``: for stage 1's backward hooks (plain jit with
-    ``z1.value_and_grad``) on a data axis over several GPU hosts, ``"auto"``
-    packs every leaf too: buckets in the backward's order, one collective
-    each, rather than each large leaf alone and the small ones in a bucket
-    that completes only at the backward's end (:func:`~zero1_jax.core.zero2
-    .hook_groups`). GPT-2 fp32 on 32 H100s (4 hosts, XLA's cost model,
-    the hooks' chain kept whole): 20,933 µs packed, 21,755 in place with
-    the small leaves' groups ending at each large leaf; DDP 20,531. On one
-    host in place is ahead (8 H100s: 15,672 against 16,172 packed). Stage 2
-    keeps its leaves in place across hosts too: packed, BERT-base fp32's
-    peak on 32 H100s rose by 126 MiB."""
+    ``across_hosts``: the collectives asked about, where the data axis
+    spans several GPU hosts (measured there only; XLA's cost model of
+    H100s, 8 a host). ``"auto"`` packs every leaf for them:
+
+    - ``"hooks"``: stage 1's backward hooks (plain jit with
+      ``z1.value_and_grad``), bucketed in the backward's order. In place,
+      the small leaves shared a bucket that completed only at the
+      backward's end (:func:`~zero1_jax.core.zero2.hook_groups`). GPT-2
+      fp32 on 32 H100s: 20,933 µs packed, 21,755 in place with the small
+      leaves' groups ending at each large leaf; DDP 20,531. Stage 2's hooks
+      stay in place, each gradient freed once reduced (its point); packed
+      as well they gained 1-2% there (zero2 on 32 H100s 20,109 µs against
+      20,213 with the gathers alone packed).
+    - ``"gathers"``: the stored shards' gathers at the start of
+      :func:`zero1_jax.train_step`, in buckets of at most 64 MiB: fewer,
+      larger collectives over the network. GPT-2 fp32 on 32 H100s,
+      ``train_step`` 19,135 µs against 20,040 in place; BERT-base fp32's
+      peak rises by 126 MiB (1,893 MiB against 1,767).
+
+    On one host in place is ahead (GPT-2 fp32 on 8 H100s, plain jit:
+    15,672 µs against 16,172 packed)."""
     if self.inplace_bytes != "auto":
       return self.inplace_bytes
     platform = platform or jax.default_backend()
-    if hooks_across_hosts and self.stage == 1 and platform == "gpu":
+    if platform == "gpu" and (across_hosts == "gathers" or (
+        across_hosts == "hooks" and self.stage == 1)):
       return None
     if self.stage == 2 or num_shards == 1 or platform != "cpu":
       return 1 << 16

@@ -194,7 +194,8 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config,
   ``"auto"`` packs stage 1's leaves there, as
   :meth:`Zero1Config.inplace_threshold` says)."""
   n = layout.num_shards
-  small = cfg.inplace_threshold(n, platform, across_hosts)
+  small = cfg.inplace_threshold(n, platform,
+                                "hooks" if across_hosts else None)
   groups, open_, scalars = [], {}, {}
   back = range(len(layout.leaves)) if order is None else order
   for i in reversed(tuple(back)):
