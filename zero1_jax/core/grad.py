@@ -140,7 +140,12 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     apart = platform == "gpu" and not platforms.one_host(where)
 
     def per_device(p, *a):
-      tables = {i: col.local_shard(x, layout.leaves[i], axis)
+      # The lookups' blocks sliced from the table passed through a barrier, so
+      # XLA does not merge them with tx.update's slice of the same shard and
+      # keep one block live from the first lookup to the update (BERT-base
+      # fp32 on 8 H100s: 11.2 MiB at the peak).
+      tables = {i: col.local_shard(jax.lax.optimization_barrier(x),
+                                   layout.leaves[i], axis)
                 for i, x in enumerate(jax.tree.leaves(p)) if i in lookups}
       call = (lookup.rewrite(lambda q, *b: fun(q, *rebuild(b)), p, *a,
                              leaves=lookups, axis=axis) if lookups else None)
