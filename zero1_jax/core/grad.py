@@ -85,13 +85,13 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
       over the data axis on their leading dim: the batch. Other arguments
       (an RNG key, a step) are handed whole to every device.
     shard_lookups: a 2-D leaf split over the data axis on its columns that
-      ``fun`` reads by rows (an embedding) has its row lookups served by
-      each device's column block (core/lookup.py, as
-      :func:`zero1_jax.train_step`'s): the lookups' gradient arrives summed
-      by one all-to-all of the rows instead of in the table's
-      reduce-scatter, which then no longer waits for the backward's end.
-      The same rows; that gradient summed in another order. ``"auto"``: on
-      for a program compiled for GPUs or TPUs on one host.
+      ``fun`` reads by rows (an embedding) has its lookups' gradient sent
+      to each device's column block (core/lookup.py): the rows read from
+      the whole table, their gradient summed by one all-to-all of the
+      rows instead of in the table's reduce-scatter, which then no longer
+      waits for the backward's end. The same rows; that gradient summed
+      in another order. ``"auto"``: on for a program compiled for GPUs or
+      TPUs on one host.
 
   Returns:
     ``f``: runs under ``jax.jit`` (or eagerly) with a mesh set by
@@ -140,15 +140,15 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     apart = platform == "gpu" and not platforms.one_host(where)
 
     def per_device(p, *a):
-      # The lookups' blocks sliced from the table passed through a barrier, so
-      # XLA does not merge them with tx.update's slice of the same shard and
-      # keep one block live from the first lookup to the update (BERT-base
-      # fp32 on 8 H100s: 11.2 MiB at the peak).
-      tables = {i: col.local_shard(jax.lax.optimization_barrier(x),
-                                   layout.leaves[i], axis)
+      # The lookups read the whole table; their blocks stand only for the
+      # gradient, so zeros of a block's shape (no slice of the table that XLA
+      # could merge with tx.update's and keep live from the first lookup to
+      # the update: BERT-base fp32 on 8 H100s, 11.2 MiB at the peak).
+      tables = {i: jnp.zeros_like(col.local_shard(x, layout.leaves[i], axis))
                 for i, x in enumerate(jax.tree.leaves(p)) if i in lookups}
       call = (lookup.rewrite(lambda q, *b: fun(q, *rebuild(b)), p, *a,
-                             leaves=lookups, axis=axis) if lookups else None)
+                             leaves=lookups, axis=axis, local=True)
+              if lookups else None)
 
       def loss_of(q, *rest):   # (tables, args) with lookups, else (args,)
         out = (call(q, rest[0], *rest[1]) if lookups

@@ -21,6 +21,11 @@ reduce-scatter. Other reads of the table (a tied output layer) still read
 the gathered whole, whose gather and gradient now sit after the layers and
 before them in the backward, where compute hides them.
 
+Plain jit (:func:`zero1_jax.value_and_grad`) holds the whole table on
+every device: its lookups read it with no collective, and only their
+gradient goes to the blocks, by the same all-to-all in the backward
+(:func:`_lookup_local`).
+
 The loss is traced once to a jaxpr and evaluated again with those lookups
 replaced (:func:`rewrite`); everything else is bound as traced. The values
 are the same rows; the lookup's gradient sums the same terms in another
@@ -115,13 +120,45 @@ def _lookup(shard: jax.Array, ids: jax.Array, eqn, axis: str) -> jax.Array:
   device's ids gathered, this block's rows of them read, and each device
   handed its own rows, the blocks side by side in device order."""
   all_ids = jax.lax.all_gather(ids, axis, axis=0, tiled=True)
-  dn = eqn.params["dimension_numbers"]
-  rows = jax.lax.gather(
-      shard, all_ids, dn, (1, shard.shape[1]),
+  rows = _read_rows(shard, all_ids, eqn)
+  return jax.lax.all_to_all(rows, axis, 0, rows.ndim - 1, tiled=True)
+
+
+def _read_rows(table: jax.Array, ids: jax.Array, eqn) -> jax.Array:
+  """``eqn``'s row gather of ``ids`` from ``table`` (any row count)."""
+  return jax.lax.gather(
+      table, ids, eqn.params["dimension_numbers"], (1, table.shape[1]),
       indices_are_sorted=eqn.params["indices_are_sorted"],
       unique_indices=eqn.params["unique_indices"],
       mode=eqn.params["mode"], fill_value=eqn.params["fill_value"])
-  return jax.lax.all_to_all(rows, axis, 0, rows.ndim - 1, tiled=True)
+
+
+def _lookup_local(table: jax.Array, shard: jax.Array, ids: jax.Array, eqn,
+                  axis: str) -> jax.Array:
+  """``table[ids]`` read from the whole ``table`` (plain jit has it on every
+  device), its gradient sent to the column block ``shard`` alone: the rows'
+  gradient handed to their blocks' devices by one all-to-all and summed
+  over every device's tokens, as :func:`_lookup`'s backward does (the same
+  terms in the same order). The forward then moves nothing."""
+
+  @jax.custom_vjp
+  def rows(table, shard, ids):
+    del shard
+    return _read_rows(table, ids, eqn)
+
+  def fwd(table, shard, ids):
+    # the ids gathered in the forward (a few KB), where they hide
+    return (rows(table, shard, ids),
+            jax.lax.all_gather(ids, axis, axis=0, tiled=True))
+
+  def bwd(all_ids, ct):
+    cols = jax.lax.all_to_all(ct, axis, ct.ndim - 1, 0, tiled=True)
+    _, pull = jax.vjp(lambda s: _read_rows(s, all_ids, eqn),
+                      jax.numpy.zeros(shard.shape, shard.dtype))
+    return None, pull(cols)[0], None   # the whole table: no gradient here
+
+  rows.defvjp(fwd, bwd)
+  return rows(table, shard, ids)
 
 
 def _context(eqn):
@@ -141,9 +178,10 @@ def _context(eqn):
   return stack
 
 
-def _eval(jaxpr, consts, args, tables: dict, axis: str) -> list:
+def _eval(jaxpr, consts, args, tables: dict, axis: str, local: bool) -> list:
   """``jaxpr`` evaluated on ``args`` with the row lookups of ``tables``'
-  vars (var -> this device's column block) read from the block."""
+  vars (var -> this device's column block) read from the block (``local``:
+  from the whole table, only their gradient going to the block)."""
   env: dict = {}
   read = lambda v: v.val if _is_literal(v) else env[v]
   env.update(zip(jaxpr.constvars, consts))
@@ -156,10 +194,12 @@ def _eval(jaxpr, consts, args, tables: dict, axis: str) -> list:
         iv: tables[v] for iv, v in zip(sub.jaxpr.invars, eqn.invars)
         if not _is_literal(v) and v in tables}
     if is_table and is_row_lookup(eqn):
-      outs = [_lookup(tables[src], read(eqn.invars[1]), eqn, axis)]
+      ids = read(eqn.invars[1])
+      outs = [_lookup_local(read(src), tables[src], ids, eqn, axis) if local
+              else _lookup(tables[src], ids, eqn, axis)]
     elif inner:
       outs = _eval(sub.jaxpr, sub.consts, [read(v) for v in eqn.invars],
-                   inner, axis)
+                   inner, axis, local)
     else:
       bound = eqn.primitive.get_bind_params(eqn.params)
       subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
@@ -176,11 +216,13 @@ def _eval(jaxpr, consts, args, tables: dict, axis: str) -> list:
 
 
 def rewrite(fn: Callable, params: Any, *args: Any, leaves: Iterable[int],
-            axis: str) -> Callable:
+            axis: str, local: bool = False) -> Callable:
   """``g(params, blocks, *args)``: ``fn(params, *args)`` with the row
   lookups of ``leaves`` read from ``blocks`` ({leaf: this device's column
-  block}, inside a shard_map over ``axis``). Traced once on ``params`` and
-  ``args`` (abstract or not) to a jaxpr of their shapes."""
+  block}, inside a shard_map over ``axis``); ``local``: ``params`` holds
+  the whole tables, which the lookups read, their gradient going to
+  ``blocks`` alone. Traced once on ``params`` and ``args`` (abstract or not)
+  to a jaxpr of their shapes."""
   p_leaves, treedef = jax.tree.flatten(params)
   a_leaves, a_tree = jax.tree.flatten(args)
   closed, shape = jax.make_jaxpr(
@@ -193,6 +235,6 @@ def rewrite(fn: Callable, params: Any, *args: Any, leaves: Iterable[int],
     flat = jax.tree.leaves(params) + jax.tree.leaves(args)
     tables = {closed.jaxpr.invars[i]: blocks[i] for i in keep}
     return out_tree.unflatten(_eval(closed.jaxpr, closed.consts, flat,
-                                    tables, axis))
+                                    tables, axis, local))
 
   return g
