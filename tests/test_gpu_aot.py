@@ -381,3 +381,20 @@ def test_the_target_config_is_read_without_an_error_line():
   assert out.returncode == 0, out.stderr[-2000:]
   assert "{'data': 8}" in out.stdout
   assert "Error parsing" not in out.stderr, out.stderr[-2000:]
+
+
+def test_collective_costs_times_each_collective_alone():
+  """experiments/gpu/collective_costs.py (docs/gpu.md's ratio of a
+  reduce-scatter plus a gather to one all-reduce of the same bytes): each
+  collective compiled with nothing beside it, so its window is its cost;
+  more bytes cost more."""
+  from experiments.gpu import collective_costs as cc
+  try:
+    small, large = cc.costs(2, 4), cc.costs(2, 16)
+  except cc.Unpriced as e:   # jax 0.12: the tables are jax 0.10.2's
+    if jax.__version_info__ < (0, 11):
+      raise
+    pytest.skip(str(e))
+  assert set(small) == {"all-reduce", "reduce-scatter", "all-gather"}
+  for kind in small:
+    assert 0 < small[kind] < large[kind], kind

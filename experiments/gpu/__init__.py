@@ -1,5 +1,6 @@
 """GPUs: every form's step compiled for 8 to 64 NVIDIA GPUs on a machine
-without one (``python -m experiments.gpu.aot``, XLA's cost model), the
+without one (``python -m experiments.gpu.aot``, XLA's cost model; what it
+charges each collective alone: ``python -m experiments.gpu.collective_costs``), the
 numerical checks against unsharded optax on real devices
 (``python -m experiments.gpu.exact``), and ``bash experiments/gpu/check.sh``,
 which runs those checks, the CLI and the benchmark on one GPU.
