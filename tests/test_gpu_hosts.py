@@ -3,8 +3,8 @@ a GPU: the reduce-scatter groups the backward's hooks make across hosts,
 read from the groups and from XLA's GPU program (zero1_jax.inspect.gpu).
 
 Structure, never time. Across hosts ``inplace_bytes="auto"`` packs every
-leaf into buckets in the backward's order (on one host each large leaf is
-reduced alone), every group's reduce-scatter waits for the one before it
+leaf into buckets in the backward's order, filled from its end (on one
+host each large leaf is reduced alone), every group's reduce-scatter waits for the one before it
 all along the backward (no link of the chain left without a user for XLA
 to cut), and ``tx.update`` gathers the new weights in those same groups.
 The forms that own the step pack the gathers of their stored shards there
@@ -46,7 +46,8 @@ def test_across_hosts_auto_packs_plain_jits_hooks():
   number the user sets, stage 2 (whose point is the memory) and TPUs (not
   measured) keep their leaves in place across hosts too."""
   packed = groups_of(False, inplace_bytes=None)
-  assert groups_of(True) == packed
+  assert sum(groups_of(True), []) == sum(packed, [])
+  assert len(groups_of(True)) == len(packed)
   assert groups_of(False) != packed
   assert len(groups_of(False)) > len(packed)
   assert groups_of(True, inplace_bytes=1 << 16) == groups_of(
@@ -54,6 +55,30 @@ def test_across_hosts_auto_packs_plain_jits_hooks():
   assert groups_of(True, stage=2) == groups_of(False, stage=2) != groups_of(
       False, stage=2, inplace_bytes=None)
   assert groups_of(True, "tpu") == groups_of(False, "tpu") != packed
+
+
+def test_across_hosts_the_part_full_bucket_is_the_first():
+  """Packed across hosts, the buckets are filled from the backward's end:
+  no group could have taken the leaf the backward completes just before
+  it, so only the first can be part-full and it closes soonest, starting
+  the network's work earlier (as PyTorch DDP's small first bucket does).
+  One host's packing fills them from the start instead."""
+  shapes = gpu_aot.model(MODEL, "fp32")[0]
+  layout = lay.plan(shapes, 16)
+  size = lambda i: 16 * layout.leaves[i].shard_size * 4   # fp32 comm
+
+  def full_from(groups, end: bool) -> list[bool]:
+    """Whether each group (but the first / last) is too full to take its
+    neighbour's leaf: the one before it (``end``) or after it."""
+    pairs = (zip(groups, groups[1:]) if end else zip(groups[1:], groups))
+    return [sum(map(size, g)) + size(prev[-1] if end else prev[0])
+            > BUCKET for prev, g in pairs]
+
+  apart, packed = groups_of(True), groups_of(False, inplace_bytes=None)
+  assert all(full_from(apart, end=True)), full_from(apart, True)
+  assert not all(full_from(packed, end=True))
+  assert all(full_from(packed, end=False))
+  assert all(sum(map(size, g)) <= BUCKET or len(g) == 1 for g in apart)
 
 
 def gathers(form: str, mesh, **kw) -> int:
