@@ -177,14 +177,15 @@ def test_plain_jit_reduce_scatters_run_group_after_group(compiled):
   assert len(set(before)) >= 4, before
 
 
-def test_a_flax_trainstate_loop_compiles_for_gpus(mesh):
-  """docs/gpu.md's recipe on a program as flax users write it: the
-  TrainState made by ``jax.eval_shape`` under ``jax.set_mesh`` of the
+def trainstate_program(mesh, value_and_grad):
+  """A flax TrainState step as flax users write it, compiled for ``mesh``:
+  the TrainState made by ``jax.eval_shape`` under ``jax.set_mesh`` of the
   compile-only mesh (zero1's init probes the optimizer on concrete numbers:
-  not on those devices, which run nothing), then a plain-jit step with
-  ``z1.value_and_grad`` and ``apply_gradients`` (zero1's run-time check of
-  a restored state calls back to the host: not in a program no backend
-  here can run). One gather per reduce-scatter group."""
+  not on those devices, which run nothing), then a plain-jit step taking
+  its gradients from ``value_and_grad(loss, tx)`` and ``apply_gradients``
+  (zero1's run-time check of a restored state calls back to the host: not
+  in a program no backend here can run). Returns the compiled program and
+  the params' shapes."""
   import flax.linen as nn
   import jax.numpy as jnp
   import optax
@@ -197,7 +198,7 @@ def test_a_flax_trainstate_loop_compiles_for_gpus(mesh):
   loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
 
   def step(state, x):
-    _, g = z1.value_and_grad(loss, tx)(state.params, x)
+    _, g = value_and_grad(loss, tx)(state.params, x)
     return state.apply_gradients(grads=g)
 
   placed = lambda t, spec: jax.tree.map(lambda s: jax.ShapeDtypeStruct(
@@ -214,8 +215,35 @@ def test_a_flax_trainstate_loop_compiles_for_gpus(mesh):
     low = jax.jit(step).lower(st, placed(jax.ShapeDtypeStruct(
         (64, 128), jnp.float32), P("data")))
   c, _ = gpu.compile(low)
+  return c, st.params
+
+
+def test_a_flax_trainstate_loop_compiles_for_gpus(mesh):
+  """docs/gpu.md's recipe on a program as flax users write it, with
+  ``z1.value_and_grad``: one gather per reduce-scatter group."""
+  c, _ = trainstate_program(mesh, z1.value_and_grad)
   coll = z1.inspect.hlo_collectives(c.as_text())
   assert 1 < coll["all-gather"].count <= coll["reduce-scatter"].count
+
+
+def test_jax_grads_reach_the_update_by_reduce_scatter(mesh):
+  """The same loop with ``jax.value_and_grad`` (most flax programs' line):
+  ``tx.update`` takes each sharded leaf that needs no padding as this
+  device's block, so XLA sums its gradient straight into the blocks (a
+  reduce-scatter of its bytes) instead of all-reducing it whole for each
+  device to slice. Only the leaves padded to a multiple of 8 (here the
+  last layer's 10 biases) and scalars are all-reduced."""
+  c, params = trainstate_program(
+      mesh, lambda f, tx: jax.value_and_grad(f))
+  coll = z1.inspect.hlo_collectives(c.as_text())
+  layout = lay.plan(params, 8)
+  blocks = sum(4 * s.shard_size * 8 for s in layout.leaves
+               if s.kind == lay.SHARD and s.padded_shape == s.shape)
+  whole = sum(4 * int(np.prod(s.shape)) for s in layout.leaves
+              if s.kind != lay.SHARD or s.padded_shape != s.shape)
+  assert blocks > 100 * whole
+  assert coll["reduce-scatter"].bytes == blocks, coll
+  assert coll["all-reduce"].bytes <= 2 * whole + 16, coll   # and the loss
 
 
 def table_windows(c, schedule, kind):

@@ -45,7 +45,7 @@ from zero1_jax.core import params_free
 from zero1_jax.core import plan as plans
 from zero1_jax.core import precision
 from zero1_jax.core.gather import gather
-from zero1_jax.core.grad_reduce import LOCAL, SHARDS
+from zero1_jax.core.grad_reduce import LOCAL, REDUCED, SHARDS
 from zero1_jax.core.state import Zero1State
 from zero1_jax.core.tx_config import StepInfo
 
@@ -130,7 +130,8 @@ def _plan(tx: Any, grads: Any, params: Any, p_leaves: list, grads_are: str,
     ew.check_update_args(tx.inner, params, layout.num_shards,
                          cfg.master_dtype, extra_args or {})
   g_leaves = (chk.check_shards(grads, layout) if pre_reduced
-              else chk.check_tree("grads", grads, layout))
+              else chk.check_tree("grads", grads, layout,
+                                  blocks=grads_are == REDUCED))
   if grads_are == LOCAL and not pre_reduced:
     chk.check_local_grads(grads, cfg.axis_name)
   r_buckets, g_buckets = plans.buckets(cfg, layout, g_leaves, p_leaves,

@@ -43,8 +43,11 @@ def check_master(state, layout: lay.Layout, master_dtype) -> list:
   return leaves
 
 
-def check_tree(what: str, tree, layout: lay.Layout) -> list:
-  """Leaves of ``tree``; ValueError naming the first path that differs."""
+def check_tree(what: str, tree, layout: lay.Layout, blocks: bool = False
+               ) -> list:
+  """Leaves of ``tree``; ValueError naming the first path that differs.
+  ``blocks``: a sharded leaf may also be this device's block of it
+  (``shard_shape``, :func:`zero1_jax.core.jit_mode._block_specs`)."""
   leaves, treedef = jax.tree.flatten(tree)
   if treedef != layout.treedef:
     want = [jax.tree_util.keystr(p) for p, _ in
@@ -59,7 +62,9 @@ def check_tree(what: str, tree, layout: lay.Layout) -> list:
                      f"structure as params.")
   for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
                              layout.leaves):
-    if tuple(x.shape) != spec.shape:
+    if tuple(x.shape) != spec.shape and not (
+        blocks and spec.kind == lay.SHARD
+        and tuple(x.shape) == spec.shard_shape):
       raise ValueError(
           f"zero1: {what}{jax.tree_util.keystr(path)} has shape "
           f"{tuple(x.shape)} but the parameter has {spec.shape}.")

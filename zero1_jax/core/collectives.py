@@ -75,12 +75,15 @@ def from_rank_major(m: jax.Array, spec: LeafSpec, n: int) -> jax.Array:
 
 
 def local_shard(x: jax.Array, spec: LeafSpec, axis_name: str) -> jax.Array:
-  """This device's shard of a full (replicated) leaf, zero-padded.
+  """This device's shard of a full (replicated) leaf, zero-padded; a leaf
+  that already is this device's block (jit_mode's ``_as_blocks``) as it is.
 
   Reads only the shard's rows: padding the whole leaf first would make XLA
   materialise a padded copy of it (the step slices fp32 params this way)."""
   d = spec.dim
   rows = spec.shard_shape[d]
+  if x.shape[d] == rows != spec.shape[d]:   # this device's block already
+    return x
   start = jax.lax.axis_index(axis_name) * rows
   if spec.padded_shape[d] == spec.shape[d]:
     return jax.lax.dynamic_slice_in_dim(x, start, rows, axis=d)

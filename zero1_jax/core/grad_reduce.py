@@ -8,8 +8,8 @@ What ``tx.apply`` is handed decides the reduce (``grads_are``):
 * :data:`PARTIAL`: plain jit's gradients typed unreduced over the axis
   (params from ``z1.reduced_params``): the same collectives sum them; they
   sum to the mean already, so no division by N.
-* :data:`REDUCED`: plain jit's reduced gradients, whole on every device:
-  each device slices its shard (:func:`local_shards`), no collective.
+* :data:`REDUCED`: plain jit's reduced gradients, whole on every device or
+  already this device's block (:func:`local_shards`), no collective here.
 * :data:`SHARDS`: ``z1.value_and_grad``'s gradients, reduce-scattered leaf
   by leaf in the backward, as stage 2's are (``pre_reduced``).
 
@@ -35,8 +35,9 @@ SHARDS = "shards"      # z1.value_and_grad's ShardedGrads: summed shards, then /
 
 def local_shards(grads: Sequence, layout: lay.Layout, axis_name: str
                  ) -> dict[int, Any]:
-  """Mode :data:`REDUCED`: this device's shard of each whole gradient (no
-  collective); scalar leaves as they are. Indexed like ``layout.leaves``."""
+  """Mode :data:`REDUCED`: this device's shard of each whole gradient, or
+  the block handed (no collective); scalar leaves as they are. Indexed
+  like ``layout.leaves``."""
   out = {}
   for i, (g, s) in enumerate(zip(grads, layout.leaves)):
     if s.kind == lay.SHARD:

@@ -15,9 +15,11 @@ What ``update`` receives from ``jax.grad`` under jit decides the reduce
 (:mod:`.grad_reduce`'s modes; :func:`.reduced.grads_mode` tells them apart):
 
 * plain (replicated) params: the gradient of the global-mean loss, already
-  reduced over the data axis by jit's partitioner (XLA:CPU: a full-size
-  all-reduce, then each device slices its shard). Mode ``REDUCED``: each
-  device takes its shard, no collective, no division by N.
+  reduced over the data axis by jit's partitioner. Mode ``REDUCED``: each
+  sharded leaf that needs no padding enters the shard_map as the device's
+  block (:func:`_as_blocks`; on GPU XLA sums it straight into the blocks, a
+  reduce-scatter; XLA:CPU all-reduces it and slices), the others whole for
+  each device to slice its shard; no division by N.
 * params placed by :func:`.reduced.reduced_params` (``P(..., reduced={axis})``):
   ``jax.grad`` returns gradients typed *unreduced* over the axis, partial sums
   whose total is the gradient of the global-mean loss. Mode ``PARTIAL``: one
@@ -61,7 +63,7 @@ from zero1_jax.core import platform as platforms
 from zero1_jax.core import reduced
 from zero1_jax.core import sharded_grads
 from zero1_jax.core import specs as zspecs
-from zero1_jax.core.grad_reduce import PARTIAL, SHARDS
+from zero1_jax.core.grad_reduce import PARTIAL, REDUCED, SHARDS
 from zero1_jax.core.sharded_grads import ShardedGrads
 
 
@@ -165,6 +167,32 @@ def init(tx: Any, params: Any, like: Any = None) -> Any:
   return boxes.box_state(state, specs, like, rules, sizes, axis, bare=bare)
 
 
+def _as_blocks(grads: Any, g_specs: Any, layout: lay.Layout, mesh: Any,
+               where: Any, axis: str) -> tuple[Any, Any]:
+  """jax.grad's reduced gradients entering ``tx.update``'s shard_map as
+  each device's block, at every sharded leaf that needs no padding (the
+  data axis on its shard dim, as its state has it): ``(g_specs, grads)``.
+  jit's partitioner can then sum the gradient straight into the blocks, a
+  reduce-scatter on GPU, where it all-reduced it whole for each device to
+  slice its block (BERT-base fp32 on 8 H100s, XLA's cost model: 11,432 µs,
+  was 13,003; DDP 11,144). XLA:CPU still all-reduces and slices: the same
+  sums. On an Explicit axis the leaves are resharded to their blocks."""
+  specs = layout.treedef.flatten_up_to(g_specs)
+  g_leaves = layout.treedef.flatten_up_to(grads)
+  explicit = dict(zip(where.axis_names, where.axis_types)).get(
+      axis) == jax.sharding.AxisType.Explicit
+  for i, s in enumerate(layout.leaves):
+    if s.kind != lay.SHARD or s.padded_shape != s.shape:
+      continue
+    specs[i] = zspecs.leaf_spec(s, axis)
+    if explicit:
+      g_leaves[i] = jax.sharding.reshard(
+          g_leaves[i], specs[i] if mesh is None
+          else jax.sharding.NamedSharding(mesh, specs[i]))
+  return (layout.treedef.unflatten(specs),
+          layout.treedef.unflatten(g_leaves))
+
+
 SHARDED_2D = (
     "zero1: z1.value_and_grad's gradients on params sharded over other mesh "
     "axes (a 2-D mesh) are not supported yet: use jax.value_and_grad there "
@@ -213,6 +241,8 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
     mode = reduced.grads_mode(grads, layout, axis)
     g_field = "unreduced" if mode == PARTIAL else None
     g_specs = _in_specs(grads, pa, axis, lambda _: g_field, sizes)
+    if mode == REDUCED and pa is None:
+      g_specs, grads = _as_blocks(grads, g_specs, layout, mesh, where, axis)
   p_specs = _in_specs(params, pa, axis, _typed(axis, "reduced"), sizes)
   s_specs = zspecs.state_specs(tx, params, n, pa)
   if tx.config.check_placement:
