@@ -4,7 +4,8 @@ program and its latency-hiding schedule (zero1_jax.inspect.gpu).
 Structure, never time: every collective async; the reduce-scatters move the
 padded Psi once in the gradient dtype and start under the backward (the
 first before the backward's last compute); the gathers of the shards
-train_step keeps between steps run under the next forward; between steps a
+train_step keeps between steps run under the next forward; jax.grad's
+gradients in plain jit reach tx.update by reduce-scatter; between steps a
 device holds 1/N of the params and of the state; "auto" in-place collectives
 decided by the devices the program is compiled for. XLA's estimates of the
 step are experiments/gpu/aot.py's (docs/results.md).
