@@ -1,6 +1,8 @@
 """Process coordinates: flags, or what a cluster launcher put in the environment."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -290,3 +292,34 @@ def test_a_sigterm_before_the_first_tick_still_finds_the_dead_peer():
     assert w.dead() == [1]
   finally:
     w.stop()
+
+
+SIGTERM_WHILE_SAYING = """
+import os, signal, sys, time
+from zero1_jax.cli import peers
+
+class Watch:                       # rank 1 is gone
+  def dead(self, wait_s=0.0):
+    return [1]
+  def stop(self):
+    pass
+
+peers._WATCH = Watch()
+peers._on_sigterm("out")
+peers._ONCE.acquire()              # the main thread's collective failed: its line
+os.kill(os.getpid(), signal.SIGTERM)   # mpirun's, at once
+time.sleep(1.0)
+print("the main thread's line", file=sys.stderr, flush=True)
+os._exit(1)
+"""
+
+
+def test_sigterm_while_the_main_thread_says_the_line_leaves_it_status_1():
+  """mpirun's SIGTERM arriving while the main thread, its collective failed
+  on the dead peer, is saying the line: the SIGTERM thread lets it finish
+  and exit 1 instead of leaving first with 143 (seen once in the slow
+  suite's mpirun test)."""
+  r = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_SAYING],
+                     capture_output=True, text=True, timeout=60)
+  assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+  assert "the main thread's line" in r.stderr
