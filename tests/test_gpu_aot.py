@@ -233,10 +233,17 @@ def test_jax_grads_reach_the_update_by_reduce_scatter(mesh):
   device's block, so XLA sums its gradient straight into the blocks (a
   reduce-scatter of its bytes) instead of all-reducing it whole for each
   device to slice. Only the leaves padded to a multiple of 8 (here the
-  last layer's 10 biases) and scalars are all-reduced."""
+  last layer's 10 biases) and scalars are all-reduced. The new weights'
+  gathers are packed (flat buckets, ``inplace_bytes="auto"`` on GPU after
+  jit's reduce): each waits for XLA's combined reduce-scatters, not
+  for its own leaf's gradient."""
   c, params = trainstate_program(
       mesh, lambda f, tx: jax.value_and_grad(f))
-  coll = z1.inspect.hlo_collectives(c.as_text())
+  text = c.as_text()
+  gathered = [re.findall(r"f32\[([\d,]*)\]", l.split("all-gather-start(")[0])
+              for l in text.splitlines() if "all-gather-start(" in l]
+  assert gathered and all(d.count(",") == 0 for g in gathered for d in g), gathered
+  coll = z1.inspect.hlo_collectives(text)
   layout = lay.plan(params, 8)
   blocks = sum(4 * s.shard_size * 8 for s in layout.leaves
                if s.kind == lay.SHARD and s.padded_shape == s.shape)

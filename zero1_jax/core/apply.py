@@ -136,5 +136,6 @@ def _plan(tx: Any, grads: Any, params: Any, p_leaves: list, grads_are: str,
     chk.check_local_grads(grads, cfg.axis_name)
   r_buckets, g_buckets = plans.buckets(cfg, layout, g_leaves, p_leaves,
                                        order, platform, shard_out,
-                                       gather_groups)
+                                       gather_groups,
+                                       reduced_by_jit=grads_are == REDUCED)
   return plans.StepPlan(layout, pa, r_buckets, g_buckets), g_leaves

@@ -61,7 +61,8 @@ def layout(params: Any, axis_name: str,
 def buckets(cfg: Zero1Config, layout: lay.Layout, grads: Sequence,
             params: Sequence, order: Sequence[int] | None = None,
             platform: str | None = None, shard_out: Sequence[int] = (),
-            gather_groups: Sequence[tuple[Sequence[int], int]] | None = None
+            gather_groups: Sequence[tuple[Sequence[int], int]] | None = None,
+            reduced_by_jit: bool = False
             ) -> tuple[tuple[lay.Bucket, ...], tuple[lay.Bucket, ...]]:
   """``(reduce buckets, gather buckets)`` for the leaves ``grads`` and
   ``params``: the gradients travel in ``cfg.reduce_dtype`` (default their
@@ -70,8 +71,11 @@ def buckets(cfg: Zero1Config, layout: lay.Layout, grads: Sequence,
   order the loss first reads them (:mod:`.order`): reduced in its reverse,
   the last group exposed; gathered in it. ``shard_out``: leaves not
   gathered (kept as this device's shard). ``gather_groups``: the groups the
-  backward reduce-scattered (:func:`backward_buckets`), gathered the same."""
-  small = cfg.inplace_threshold(layout.num_shards, platform)
+  backward reduce-scattered (:func:`backward_buckets`), gathered the same.
+  ``reduced_by_jit``: ``grads`` were reduced by jit's partitioner
+  (:meth:`~zero1_jax.core.tx_config.Zero1Config.inplace_threshold`)."""
+  small = cfg.inplace_threshold(layout.num_shards, platform,
+                                reduced_by_jit=reduced_by_jit)
   comm = tuple(jnp.dtype(cfg.reduce_dtype or g.dtype) for g in grads)
   fwd = tuple(range(len(params))) if order is None else tuple(order)
   reduce = lay.plan_buckets(
