@@ -98,3 +98,29 @@ def test_bert_base_pads_by_less_than_a_thousandth(n):
   layout = lay.plan(shapes, n)
   psi = sum(math.prod(l.shape) for l in layout.leaves)
   assert layout.num_padding <= 1e-3 * psi
+
+
+def test_after_jits_reduce_gpu_gathers_are_packed_later_dims_first():
+  """Plain jit with ``jax.grad`` on GPU (``reduced_by_jit``): no gather can
+  start before XLA's combined reduce-scatter, so ``inplace_bytes="auto"``
+  packs every leaf; the leaves split on a later dim go first, so the add
+  after the last gather reads contiguous rows (core/plan.py); across hosts
+  in tree order. Elsewhere the large leaves travel alone, in tree order."""
+  from zero1_jax.core import plan
+  from zero1_jax.core.tx_config import Zero1Config
+  params = [np.zeros((512, 64), np.float32),    # 128 KiB, rows split
+            np.zeros((3, 8192), np.float32),    # 96 KiB, columns split
+            np.zeros((16, 8), np.float32)]      # small
+  layout = lay.plan(params, 8)
+  assert [l.dim for l in layout.leaves] == [0, 1, 0]
+  leaves = lambda bs: [[s.leaf for s in b.segments] for b in bs]
+  _, after_jit = plan.buckets(Zero1Config("data"), layout, params, params,
+                              platform="gpu", reduced_by_jit=True)
+  assert leaves(after_jit) == [[1, 0, 2]]
+  _, over_hosts = plan.buckets(Zero1Config("data"), layout, params, params,
+                               platform="gpu", reduced_by_jit=True,
+                               across_hosts=True)
+  assert leaves(over_hosts) == [[0, 1, 2]]
+  _, in_step = plan.buckets(Zero1Config("data"), layout, params, params,
+                            platform="gpu")
+  assert leaves(in_step) == [[0], [1], [2]]

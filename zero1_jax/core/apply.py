@@ -56,8 +56,8 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
           as_updates: bool = False, order: Sequence[int] | None = None,
           platform: str | None = None, shards_in: dict | None = None,
           shard_out: Sequence[int] = (), reduced_extra: dict | None = None,
-          gather_groups: Sequence | None = None, params_given: bool = True
-          ) -> tuple[Any, Zero1State, StepInfo]:
+          gather_groups: Sequence | None = None, params_given: bool = True,
+          across_hosts: bool = False) -> tuple[Any, Zero1State, StepInfo]:
   """``(new params, new state, StepInfo)`` from ``grads`` (what they are:
   ``grads_are``, :mod:`.grad_reduce`); ``as_updates``: optax's updates
   instead of the new params.
@@ -77,7 +77,8 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
   group by group (:func:`.plan.backward_buckets`); ``params_given`` False:
   ``params`` are the gradients standing in for them (optax's
   ``update(grads, state)``, :mod:`.params_free`), the inner optimizer is
-  handed None.
+  handed None; ``across_hosts``: the data axis spans several GPU hosts
+  (:func:`.plan.buckets`).
   """
   if grads_are == SHARDS:   # z1.value_and_grad's: reduced in the backward
     grads_are, pre_reduced = LOCAL, True
@@ -85,7 +86,7 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
   p_leaves = jax.tree.leaves(params)
   plan, g_leaves = _plan(tx, grads, params, p_leaves, grads_are, pre_reduced,
                          param_axes, extra_args, order, platform, shard_out,
-                         gather_groups)
+                         gather_groups, across_hosts)
   layout = plan.layout
   scaler = precision.for_params(cfg.loss_scale, params)
 
@@ -118,8 +119,8 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
 def _plan(tx: Any, grads: Any, params: Any, p_leaves: list, grads_are: str,
           pre_reduced: bool, param_axes: Any, extra_args: dict | None,
           order: Sequence[int] | None, platform: str | None,
-          shard_out: Sequence[int], gather_groups: Sequence | None = None
-          ) -> tuple[plans.StepPlan, list]:
+          shard_out: Sequence[int], gather_groups: Sequence | None = None,
+          across_hosts: bool = False) -> tuple[plans.StepPlan, list]:
   """Stage 0: the :class:`.plan.StepPlan` and the gradients' leaves, once
   what the update is handed has been checked against the layout (and, with
   extra arguments, the inner optimizer again with them)."""
@@ -137,5 +138,6 @@ def _plan(tx: Any, grads: Any, params: Any, p_leaves: list, grads_are: str,
   r_buckets, g_buckets = plans.buckets(cfg, layout, g_leaves, p_leaves,
                                        order, platform, shard_out,
                                        gather_groups,
-                                       reduced_by_jit=grads_are == REDUCED)
+                                       reduced_by_jit=grads_are == REDUCED,
+                                       across_hosts=across_hosts)
   return plans.StepPlan(layout, pa, r_buckets, g_buckets), g_leaves

@@ -249,6 +249,8 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
     state = placement.check(state, s_specs, sizes, axis)
     if tx.config.offload:
       ofl.check_placed(state, s_specs, axis)
+  apart = (platforms.resolve(where) == "gpu"
+           and not platforms.one_host(where))
   leaves, treedef = jax.tree.flatten(extra_args or {})
   is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
   arrays = [x for x, a in zip(leaves, is_array) if a]
@@ -263,7 +265,8 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
                                   extra_args=extra(a), as_updates=True,
                                   platform=platforms.resolve(where),
                                   gather_groups=groups,
-                                  params_given=params_given)[:2],
+                                  params_given=params_given,
+                                  across_hosts=apart)[:2],
       mesh=mesh, in_specs=(g_specs, s_specs, p_specs, [P()] * len(arrays)),
       out_specs=(p_specs, s_specs), check_vma=False)
   return jax.jit(f)(grads, state, params, arrays)
