@@ -3,7 +3,7 @@
 One step (:func:`train_step`) on each device, inside one ``shard_map`` over
 the data axis: the stored param shards gathered (``shard_params``,
 :mod:`.param_storage`), the loss's gradients on this device's rows summed
-over the micro-batches (:func:`_local_grads`; stage 2: each leaf
+over the micro-batches (:mod:`.local_grads`; stage 2: each leaf
 reduce-scattered in the backward, :mod:`.zero2`), then ``tx.apply``
 (:mod:`.apply`: reduce, norm, inner update, gather). On a mesh with model
 axes, two regions (:func:`_step_2d`). The returned function places its
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zero1_jax.core import checks as chk
-from zero1_jax.core.batch import batch_size
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
 from zero1_jax.core import layout as lay
+from zero1_jax.core import local_grads as lg
 from zero1_jax.core import lookup
 from zero1_jax.core import one_device
 from zero1_jax.core import order as ordering
@@ -46,7 +46,6 @@ from zero1_jax.core import param_axes as pax
 from zero1_jax.core import platform as platforms
 from zero1_jax.core import shardings as zsh
 from zero1_jax.core import specs as zspecs
-from zero1_jax.core import zero2
 from zero1_jax.core.on_mesh import OnMesh
 from zero1_jax.core.param_storage import Storage, stored_leaves, stored_specs
 from zero1_jax.core.state import Zero1State
@@ -115,56 +114,6 @@ def init(tx: Zero1Transformation, params: Any, mesh: jax.sharding.Mesh, *,
   if param_dtype is None:
     return values, opt_state
   return jax.jit(cast, out_shardings=placed, donate_argnums=0)(values), opt_state
-
-
-def _split_batch(batch, accum: int, mesh, axis: str):
-  """``(B, ...)`` -> ``(accum, B // accum, ...)`` sharded on dim 1."""
-  b = batch_size(batch, accum, mesh.shape[axis])
-  sharding = NamedSharding(mesh, P(None, axis))
-
-  def split(x):
-    shape = (accum, b // accum) + x.shape[1:]
-    if _explicit(mesh):
-      # Explicit axes: a reshape of a sharded dim must name its output sharding.
-      # Host (unsharded) input comes out replicated: reshard slices locally.
-      x = jax.lax.reshape(x, shape, out_sharding=sharding)
-      return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x.reshape(shape), sharding)
-
-  return jax.tree.map(split, batch)
-
-
-def _explicit(mesh) -> bool:
-  types = getattr(mesh, "axis_types", None) or ()
-  return any(t == jax.sharding.AxisType.Explicit for t in types)
-
-
-def _local_grad_fn(loss_fn: Callable, params: Any, axis: str,
-                   tables: dict | None = None) -> Callable:
-  """Stage 1: ``f(batch) -> (full local gradients, aux)``, unreduced. With
-  ``tables`` ({leaf: this device's column block}, :mod:`.lookup`),
-  ``loss_fn(params, tables, batch)`` and the gradients ``(of params, of
-  tables)``: the tables' already summed over every device's tokens."""
-  grad_fn = jax.grad(loss_fn, argnums=(0, 1) if tables else 0, has_aux=True,
-                     allow_int=True)
-  # Differentiate w.r.t. a varying view of the replicated params: the
-  # gradients stay local and unreduced (under check_vma, the gradient of an
-  # invariant input would be psum'd for us); zero1 reduces them itself.
-  local = jax.tree.map(
-      lambda x: jax.lax.pcast(x, axis, to="varying")
-      if jnp.issubdtype(x.dtype, jnp.inexact) else x, params)
-
-  def f(batch):
-    if tables:
-      (g, g_tables), aux = grad_fn(local, tables, batch)
-    else:
-      g, aux = grad_fn(local, batch)
-    g = jax.tree.map(   # integer leaves: float0 -> zeros, never used
-        lambda g, p: g if jnp.issubdtype(p.dtype, jnp.inexact)
-        else jnp.zeros(p.shape, p.dtype), g, params)
-    return ((g, g_tables) if tables else g), aux
-
-  return f
 
 
 def train_step(loss_fn: Callable, tx: Zero1Transformation,
@@ -284,56 +233,6 @@ def _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux,
                    platform == "gpu" and not platforms.one_host(mesh))
 
 
-def _local_grads(s: _Settings, params, scale, batch, order=None, tables=None):
-  """This device's gradients (stage 2: its reduced shards) summed over the
-  micro-batches, with the loss and aux summed likewise; and the gradients of
-  ``tables`` ({leaf: this device's column block whose row lookups it
-  serves}, :mod:`.lookup`), summed over every device's tokens already."""
-  accum = s.accum
-  first = jax.tree.map(lambda x: x[0], batch)
-  loss_of = (lookup.rewrite(s.loss_fn, params, first, leaves=tables,
-                            axis=s.axis) if tables else s.loss_fn)
-
-  def scaled_loss(*a):
-    loss, aux = chk.split_loss(loss_of(*a), s.has_aux)
-    return (loss * scale.astype(loss.dtype) / accum).astype(loss.dtype), (loss, aux)
-
-  if s.stage2:
-    # Each leaf's gradient is reduce-scattered as the backward produces
-    # it: g holds this device's summed 1/N shards (None at static leaves).
-    grad_fn = zero2.reduced_grad_fn(scaled_loss, params, s.tx.config, s.n,
-                                    order, s.platform, tables)
-  else:
-    grad_fn = _local_grad_fn(scaled_loss, params, s.axis, tables)
-
-  def micro(carry, mb):
-    g, (loss, aux) = grad_fn(mb)
-    if carry is None:
-      return g, loss, aux
-    g0, l0, a0 = carry
-    return (jax.tree.map(jnp.add, g0, g), l0 + loss,
-            jax.tree.map(jnp.add, a0, aux))
-
-  if accum == 1:
-    carry = micro(None, first)
-  else:
-    # Every micro-batch in one loop, from zeros (0 + g is g: the same sums
-    # as starting from the first). A first micro-batch outside the loop
-    # left a loop of one at accum=2, which XLA inlines and then runs both
-    # forwards before the backwards: 1.7x the activation memory (bert-tiny,
-    # 45 vs 26 MB of temporaries), and two copies of the model to compile.
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                         jax.eval_shape(micro, None, first))
-    carry, _ = jax.lax.scan(lambda c, mb: (micro(c, mb), None), zeros, batch)
-  grads, loss, aux = carry
-  grads, g_tables = grads if tables else (grads, {})
-  metrics = {"loss": jax.lax.pmean(loss / accum, s.axis)}
-  if s.has_aux:
-    metrics["aux"] = jax.lax.pmean(jax.tree.map(lambda a: a / accum, aux),
-                                   s.axis)
-  return grads, g_tables, metrics
-
-
 def _with_info(s: _Settings, metrics, info):
   return {"loss": metrics["loss"], "grad_norm": info.grad_norm,
           "skipped": info.skipped, "loss_scale": info.loss_scale,
@@ -381,7 +280,7 @@ def _per_device(s: _Settings, storage: Storage, params,
   if keep:   # the stored shards, gathered in the order the forward reads them
     params, blocks = storage.gather(params, full, order, keep, s.platform,
                                     s.across_hosts)
-  grads, g_tables, metrics = _local_grads(
+  grads, g_tables, metrics = lg.local_grads(
       s, params, opt_state.loss_scale.scale, batch, order,
       {i: blocks[i] for i in lookups})
   new_params, new_state, info = s.tx.apply(
@@ -395,7 +294,7 @@ def _step_1d(s: _Settings, storage: Storage, params, opt_state, batch):
   """The step on a mesh whose only sharding of the params is over the data
   axis: one shard_map over it, params kept as ``storage`` says."""
   specs = zspecs.state_specs(s.tx, params, s.n, None)
-  batch = _split_batch(batch, s.accum, s.mesh, s.axis)
+  batch = lg.split_batch(batch, s.accum, s.mesh, s.axis)
   b_specs = jax.tree.map(lambda _: P(None, s.axis), batch)
   rep = zsh.replicated(params)
   full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -420,12 +319,12 @@ def _step_2d(s: _Settings, params, opt_state, batch, pa):
   every axis, so no collective over the other axes touches a block."""
   axis, mesh = s.axis, s.mesh
   specs = zspecs.state_specs(s.tx, params, s.n, pa)
-  batch = _split_batch(batch, s.accum, mesh, axis)
+  batch = lg.split_batch(batch, s.accum, mesh, axis)
   b_specs = jax.tree.map(lambda _: P(None, axis), batch)
   rep = zsh.replicated(params)
   grads, metrics = empty_leaves.shard_map(
       lambda p, sc, b: (lambda g, _, m: (
-          jax.tree.map(lambda x: x[None], g), m))(*_local_grads(s, p, sc, b)),
+          jax.tree.map(lambda x: x[None], g), m))(*lg.local_grads(s, p, sc, b)),
       mesh=mesh, in_specs=(rep, P(), b_specs), out_specs=(
           jax.tree.map(lambda _: P(axis), params), P()),
       axis_names={axis}, check_vma=False)(
