@@ -162,7 +162,7 @@ def test_schedule_free_warmup_is_accepted_and_matches_optax(batches):
 def test_multisteps_inside_zero1_matches(outcomes):
   """The README's accumulation advice (z1.zero1(optax.MultiSteps(opt, k)))
   trains optax's weights; a MultiSteps around z1.zero1 is refused with that
-  fix by z1.init (tests/test_step.py)."""
+  fix by z1.init (tests/test_step_errors.py)."""
   kind, detail = outcomes["MultiSteps(adam, 2)"]
   assert kind == "matched" and detail <= 1.0, (kind, detail)
 
