@@ -87,7 +87,7 @@ MUTANTS = [
     Mutant(
         "accumulation_not_averaged",
         "micro-batch gradients are summed, not averaged",
-        "zero1_jax/core/step.py",
+        "zero1_jax/core/local_grads.py",
         "return (loss * scale.astype(loss.dtype) / accum).astype(loss.dtype)",
         "return (loss * scale.astype(loss.dtype)).astype(loss.dtype)",
         ("tests/test_step.py", "-k", "micro")),
