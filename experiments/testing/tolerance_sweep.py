@@ -37,6 +37,7 @@ import tempfile
 
 FILES = [
     "tests/test_equivalence.py", "tests/test_precision.py", "tests/test_step.py",
+    "tests/test_step_errors.py",
     "tests/test_jit_mode.py", "tests/test_zero2.py", "tests/test_mesh2d.py",
     "tests/test_flax.py", "tests/test_inner_state.py", "tests/test_checkpoint.py",
     "tests/test_engine.py", "tests/test_elementwise.py", "tests/test_config_optim.py",
