@@ -10,7 +10,7 @@ ZeRO-1 saving is gone and nothing fails. :func:`check` measures, per state
 leaf, the bytes one device holds as placed against zero1's plan
 (:func:`zero1_jax.core.specs.state_specs`) and warns with both totals and the
 fix: at once for arrays and for tracers typed on Explicit axes, at compile
-time (``jax.debug.inspect_array_sharding``) on Auto axes.
+time (:func:`zero1_jax.core.seen_sharding.inspect`) on Auto axes.
 
 It warns rather than raises: the step's result is right, and a program may
 replicate the state on purpose (a debug run, a later reshard); the warning
@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from zero1_jax.core import seen_sharding
 
 FIX = (
     "Place the state as tx.init returned it: derive the jit shardings from "
@@ -205,7 +207,7 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
       nbytes = math.prod(shape) * jnp.dtype(x.dtype).itemsize
       report.add(i, nbytes, "ok" if tuple(shape) == pieces[i]
                  else f"placed {getattr(sharding, 'spec', sharding)}")
-    jax.debug.inspect_array_sharding(x, callback=seen)
+    out[i] = seen_sharding.inspect(x, seen)   # no run-time effect
   return treedef.unflatten(out)
 
 
