@@ -24,7 +24,10 @@ core/lookup.py),
 ``engine`` (``z1.initialize``'s step from a DeepSpeed config with
 gradient clipping), ``jit_grad`` (``z1.zero1`` in plain jit after
 ``jax.value_and_grad``), ``jit_vg`` (after ``z1.value_and_grad``) and
-``jit_vg_gathered`` (``jit_vg`` with ``shard_lookups=False``).
+``jit_vg_gathered`` (``jit_vg`` with ``shard_lookups=False``); not in the
+default list, ``jit_ts`` (flax's ``TrainState.apply_gradients`` with
+``z1.zero1`` in plain jit) and ``jit_ts_nocheck`` (the same without zero1's
+run-time check for a state restored new mid-run).
 Needs jax's CUDA plugin at jax's version (``make gpu-aot`` installs it).
 """
 from __future__ import annotations
@@ -41,7 +44,10 @@ if os.path.isdir(PLUGINS):   # the Makefile's: the plugin beside the venv, not i
 
 import jax  # noqa: E402
 
-jax.config.update("jax_platforms", "cpu")
+# Compile-only: jax's CPU backend hosts the run. experiments/gpu/measure.py,
+# which runs these steps on a real GPU, sets ZERO1_REAL_GPU=1 first.
+if os.environ.get("ZERO1_REAL_GPU") != "1":
+  jax.config.update("jax_platforms", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -159,6 +165,8 @@ def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
       return p, s, loss
     return jax.jit(step, out_shardings=(rep, rep, rep),
                    donate_argnums=(0, 1)).lower(params, state, batch)
+  if form in ("jit_ts", "jit_ts_nocheck"):
+    return _lower_train_state(form, shapes, loss_fn, params, batch, mesh)
   if form == "engine":
     cfg = ds_config.load_config(ds_json(dtype, 1, **zero1_kw), world_size=n)
     tx = ds_engine.build_tx(cfg, "data")
@@ -181,6 +189,39 @@ def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
     return optax.apply_updates(p, u), s, loss
   with jax.set_mesh(mesh):
     return jax.jit(user_step, donate_argnums=(0, 1)).lower(params, state, batch)
+
+
+def _lower_train_state(form, shapes, loss_fn, params, batch, mesh):
+  """flax's TrainState with ``z1.zero1`` in plain jit, as flax's examples
+  step (``jit_ts_nocheck``: without zero1's run-time check for a state
+  restored new mid-run, core/fresh_state.py, to show what it costs).
+  Lowered as ``(train_state, None, batch) -> (train_state, None, loss)``."""
+  from flax.training import train_state
+  from zero1_jax.core import fresh_state
+  tx = z1.zero1(optimizer(), axis_name="data", mesh=mesh)
+  ts = jax.eval_shape(lambda p: train_state.TrainState.create(
+      apply_fn=None, params=p, tx=tx), shapes)
+  rep = NamedSharding(mesh, P())
+  # zero1's boxed state (Partitioned-like leaves) keeps its tree; each leaf
+  # placed as z1.state_shardings plans it
+  flat, tree = jax.tree.flatten(ts.opt_state)
+  plan = jax.tree.leaves(z1.state_shardings(tx, shapes, mesh))
+  ts = ts.replace(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), params=params,
+                  opt_state=jax.tree.unflatten(tree, [
+                      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                      for x, s in zip(flat, plan, strict=True)]))
+
+  def step(t, _, bt):
+    loss, g = jax.value_and_grad(loss_fn)(t.params, bt)
+    return t.apply_gradients(grads=g), None, loss
+  check = fresh_state.warn_if_new
+  if form == "jit_ts_nocheck":
+    fresh_state.warn_if_new = lambda *a: None
+  try:
+    with jax.set_mesh(mesh):
+      return jax.jit(step, donate_argnums=(0,)).lower(ts, None, batch)
+  finally:
+    fresh_state.warn_if_new = check
 
 
 def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100") -> dict:
@@ -213,7 +254,8 @@ def table(rows: list[dict]) -> str:
   for m, dt, g in groups:
     rs = {r["form"]: r for r in rows if (r["model"], r["dtype"], r["gpus"]) == (m, dt, g)}
     floor, ddp = rs.get("floor"), rs.get("ddp")
-    out += [f"\n**{m}, {dt} params, {g} x H100** (XLA's cost model, µs)\n",
+    kind = next(iter(rs.values())).get("gpu", "h100").upper()
+    out += [f"\n**{m}, {dt} params, {g} x {kind}** (XLA's cost model, µs)\n",
             "| form | step | / DDP | above floor | / DDP's | exposed comm | "
             "reduce-scatter + all-reduce + all-gather MiB | peak MiB |",
             "|---|---|---|---|---|---|---|---|"]

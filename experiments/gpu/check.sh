@@ -12,6 +12,7 @@
 #   bash experiments/gpu/check.sh                 # on a machine with a GPU
 #   HBM_TB_S=3.35 bash experiments/gpu/check.sh   # H100 SXM roofline
 #   GPU_CHECK_DRY=1 bash experiments/gpu/check.sh # tiny CPU dry run of this script
+#   bash experiments/gpu/check.sh steps           # only the steps against XLA's estimate
 #
 # Needs jax with a CUDA backend (pip install -e '.[cuda,experiments]').
 # At N = 1 there is no communication: ZeRO-1/DDP measures what ZeRO-1's
@@ -51,6 +52,23 @@ correctness() {
   } 2>&1 | grep -v -i "warning" | tee "$OUT_DIR/gpu_check.log"
 }
 
+# The steps of experiments/gpu/aot.py (floor, DDP, GSPMD, each zero1 form;
+# BERT-base and GPT-2 small, fp32 and bf16 params) run and timed on this GPU
+# at N = 1, one process each, beside XLA's estimates (experiments/gpu/measure.py).
+# `bash experiments/gpu/check.sh steps` runs this phase alone (~8 minutes on
+# an H200, stopping at GPU_CHECK_STEPS_S seconds with what it finished).
+steps() {
+  timeout $((${GPU_CHECK_STEPS_S:-420} + 60)) "$PY" -m experiments.gpu.measure \
+    --out "$OUT_DIR" --deadline "${GPU_CHECK_STEPS_S:-420}" ${GPU_CHECK_STEPS_PLAN:+--plan "$GPU_CHECK_STEPS_PLAN"} \
+    2>&1 | grep -v -i "warning" | tee "$OUT_DIR/measure.log"
+}
+
+if [ "${1:-}" = "steps" ] && [ "${GPU_CHECK_DRY:-0}" = "1" ]; then
+  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=1" \
+    GPU_CHECK_STEPS_PLAN="small-bert:fp32:floor,small-bert:fp32:train_step" steps
+  exit $?
+fi
+
 if [ "${GPU_CHECK_DRY:-0}" = "1" ]; then
   JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=1" correctness 4 || FAILED=1
   timeout 300 "$PY" -m experiments.bench --platform cpu --ns 1 \
@@ -72,6 +90,7 @@ if b != "gpu":
 EOF
 [ $? = 0 ] || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
+if [ "${1:-}" = "steps" ]; then steps; exit $?; fi
 
 correctness 40 || FAILED=1
 
