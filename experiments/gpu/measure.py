@@ -44,11 +44,13 @@ import numpy as np  # noqa: E402
 import zero1_jax as z1  # noqa: E402
 from experiments.gpu import aot  # noqa: E402
 
-# What runs first when time is short: BERT-base fp32 with every form, then
-# the floor, DDP and the forms that own the step for the rest.
+# What runs first when time is short: BERT-base fp32 with every form (flax's
+# TrainState with and without zero1's run-time check among them), then the
+# floor, DDP and the forms that own the step for the rest.
 PLAN = (
-    [("bert-base", "fp32", f) for f in ("floor", "ddp", "train_step", "jit_vg", "zero2",
-                                        "engine", "jit_grad", "gspmd")]
+    [("bert-base", "fp32", f) for f in ("floor", "ddp", "train_step", "jit_vg", "jit_ts",
+                                        "jit_ts_nocheck", "zero2", "engine", "jit_grad",
+                                        "gspmd")]
     + [("bert-base", "bf16", f) for f in ("floor", "ddp", "ddp_nomaster", "train_step",
                                           "jit_vg")]
     + [(m, dt, f) for m in ("gpt2",) for dt in ("fp32", "bf16")
