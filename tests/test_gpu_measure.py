@@ -20,6 +20,7 @@ def test_a_step_runs_on_the_arguments_made_for_it(form):
   r = measure.one(form, MODEL, "fp32", iters=1, repeats=1, warmup=1)
   assert r["form"] == form and r["gpus"] == 1 and r["device"] == jax.devices()[0].device_kind
   assert 0 < r["min_us"] <= r["step_us"] <= r["max_us"] and math.isfinite(r["step_us"])
+  assert 0 < r["dispatch_us"] and math.isfinite(r["dispatch_us"])
   assert r["xla_peak_bytes"] > 3.7e6 * 4   # at least the fp32 params
 
 
@@ -34,3 +35,4 @@ def test_the_table_compares_only_work_that_does_not_depend_on_n():
   lines = {ln.split(" | ")[1]: ln for ln in md.splitlines()[2:]}
   assert "| 0.90 |" in lines["floor"] and "| 1.25 |" in lines["ddp"]
   assert "| 1.100 |" in lines["train_step"] and "| — |" in lines["train_step"]
+  assert len(lines["floor"].split(" | ")) == 9   # a row has every column
