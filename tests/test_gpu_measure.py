@@ -36,3 +36,22 @@ def test_the_table_compares_only_work_that_does_not_depend_on_n():
   assert "| 0.90 |" in lines["floor"] and "| 1.25 |" in lines["ddp"]
   assert "| 1.100 |" in lines["train_step"] and "| — |" in lines["train_step"]
   assert len(lines["floor"].split(" | ")) == 9   # a row has every column
+
+
+@pytest.mark.slow
+def test_check_sh_steps_dry_run_on_the_cpu(tmp_path):
+  """The device phase as the lent GPU runs it (bash experiments/gpu/check.sh
+  steps), dry-run on one CPU device: each form in its own process, a line
+  of measured.jsonl for each."""
+  import json
+  import os
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_DRY": "1"}
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run(["bash", "experiments/gpu/check.sh", "steps"], cwd=root, env=env,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  rows = [json.loads(x) for x in (tmp_path / "measured.jsonl").read_text().splitlines()]
+  assert [x["form"] for x in rows] == ["floor", "train_step"], rows
+  assert "train_step: ok" in (tmp_path / "measure.log").read_text()

@@ -60,12 +60,14 @@ correctness() {
 steps() {
   timeout $((${GPU_CHECK_STEPS_S:-420} + 60)) "$PY" -m experiments.gpu.measure \
     --out "$OUT_DIR" --deadline "${GPU_CHECK_STEPS_S:-420}" ${GPU_CHECK_STEPS_PLAN:+--plan "$GPU_CHECK_STEPS_PLAN"} \
+    ${GPU_CHECK_STEPS_ARGS:-} \
     2>&1 | grep -v -i "warning" | tee "$OUT_DIR/measure.log"
 }
 
 if [ "${1:-}" = "steps" ] && [ "${GPU_CHECK_DRY:-0}" = "1" ]; then
   JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=1" \
-    GPU_CHECK_STEPS_PLAN="small-bert:fp32:floor,small-bert:fp32:train_step" steps
+    GPU_CHECK_STEPS_PLAN="small-bert:fp32:floor,small-bert:fp32:train_step" \
+    GPU_CHECK_STEPS_ARGS="--iters 1 --repeats 1 --warmup 1" steps
   exit $?
 fi
 

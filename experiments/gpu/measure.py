@@ -133,7 +133,7 @@ def one(form: str, name: str, dtype: str, iters: int = 20, repeats: int = 5,
   }
 
 
-def run_plan(plan, out: str, deadline_s: float, per_form_s: float, iters: int) -> None:
+def run_plan(plan, out: str, deadline_s: float, per_form_s: float, timing: list[str]) -> None:
   """Each (model, dtype, form) in its own process, until ``deadline_s``."""
   path = os.path.join(out, "measured.jsonl")
   start = time.monotonic()
@@ -143,7 +143,7 @@ def run_plan(plan, out: str, deadline_s: float, per_form_s: float, iters: int) -
       print(f"measure: out of time, skipped {name} {dtype} {form} and the rest", flush=True)
       break
     cmd = [sys.executable, "-m", "experiments.gpu.measure", "--one", form, name, dtype,
-           "--iters", str(iters), "--jsonl", path]
+           *timing, "--jsonl", path]
     try:
       r = subprocess.run(cmd, timeout=min(per_form_s, left), capture_output=True, text=True)
       status = "ok" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr[-600:]}"
@@ -187,6 +187,8 @@ def main(argv=None) -> None:
   ap.add_argument("--deadline", type=float, default=420.0, help="seconds for the whole plan")
   ap.add_argument("--per-form", type=float, default=150.0)
   ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--table", nargs=2, metavar=("MEASURED_JSONL", "ESTIMATES_JSON"))
   a = ap.parse_args(argv)
   if a.table:
@@ -196,7 +198,7 @@ def main(argv=None) -> None:
       print(table(measured, json.load(f)))
     return
   if a.one:
-    r = one(*a.one, iters=a.iters)
+    r = one(*a.one, iters=a.iters, repeats=a.repeats, warmup=a.warmup)
     print(json.dumps(r))
     with open(a.jsonl, "a") as f:
       f.write(json.dumps(r) + "\n")
@@ -205,7 +207,8 @@ def main(argv=None) -> None:
   os.makedirs(a.out, exist_ok=True)
   # No jax backend in this process: it would take the GPU's memory from the
   # processes that measure.
-  run_plan(plan, a.out, a.deadline, a.per_form, a.iters)
+  run_plan(plan, a.out, a.deadline, a.per_form,
+           ["--iters", str(a.iters), "--repeats", str(a.repeats), "--warmup", str(a.warmup)])
 
 
 if __name__ == "__main__":
