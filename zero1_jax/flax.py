@@ -65,7 +65,7 @@ class TrainState(train_state.TrainState):
   def apply_gradients(self, *, grads, **kwargs):
     if not isinstance(self.tx, Zero1Transformation):
       return super().apply_gradients(grads=grads, **kwargs)
-    fresh_state.warn_if_new(self.opt_state, self.step)   # restored by flax?
+    fresh_state.warn_if_new(self.tx, lambda s: s)   # restored by flax?
     params, opt_state, _ = self.tx.apply(grads, self.opt_state, self.params)
     return self.replace(step=self.step + 1, params=params,
                         opt_state=opt_state, **kwargs)

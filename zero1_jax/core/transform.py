@@ -230,9 +230,8 @@ class _Calls:
       state = self.init_fn(params)
     if not given:
       params_free.check_state(boxes.strip(state), params)
-    step = fresh_state.owner_step(tx)   # a TrainState's, an nnx.Optimizer's
-    if step is not None:
-      fresh_state.warn_if_new(boxes.strip(state), step)
+    if fresh_state.owner_step(tx) is not None:   # a TrainState, an nnx.Optimizer
+      fresh_state.warn_if_new(tx, boxes.strip)       # on the host, not in the step
     like = params if given else grads
     grads = proto.arrays(pax.strip_variables(grads))
     params = proto.arrays(pax.strip_variables(params))
