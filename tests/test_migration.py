@@ -134,6 +134,42 @@ def test_flax_checkpoint_of_an_optax_run_restores_into_zero1():
   assert_close(got, want, RTOL, "restored from flax checkpoint ")
 
 
+@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+def test_flax_restore_of_params_made_under_the_mesh_runs_in_jit(tmp_path, kind):
+  """An optax run's TrainState checkpoint saved on one device; then, as a
+  linen program does it, params made under ``jax.set_mesh``,
+  z1.flax.restore_checkpoint and the jitted step, all under the mesh. The optax state and step restored
+  without a target lie on one device; they come back on the mesh (the pad
+  and the jit under the mesh context refused them), the step an int as
+  flax's restore gives it."""
+  from flax.training import checkpoints, train_state
+  import zero1_jax.flax as z1flax
+
+  def run(s, n):
+    step = jax.jit(lambda s: s.apply_gradients(
+        grads=jax.tree.map(jnp.ones_like, s.params)))
+    for _ in range(n):
+      s = step(s)
+    return s
+
+  msh = jax.make_mesh((4,), ("data",),
+                      axis_types=(getattr(jax.sharding.AxisType, kind),))
+  params = {"k0": jnp.ones((5, 16)), "b0": jnp.zeros((16,)),   # a linen MLP's
+            "k1": jnp.ones((16, 3)), "b1": jnp.zeros((3,))}
+  # the optax run on one device, as before zero1 (its arrays restore there)
+  ref = run(train_state.TrainState.create(apply_fn=None, params=params,
+                                          tx=opt()), 2)
+  checkpoints.save_checkpoint(tmp_path, ref, step=2)
+  with jax.set_mesh(msh):
+    params = jax.tree.map(jnp.array, params)   # made under the mesh
+    target = train_state.TrainState.create(
+        apply_fn=None, params=params, tx=z1.zero1(opt(), axis_name="data"))
+    restored = z1flax.restore_checkpoint(tmp_path, target)
+    more = run(restored, 3)
+    assert isinstance(restored.step, int) and restored.step == 2
+  assert int(more.step) == 5 and int(more.opt_state.inner[0].count) == 5
+
+
 # A state restored new under a run that is not (issue #38 item 7):
 # core/fresh_state.py finds the TrainState / nnx.Optimizer the step was
 # called with and warns where the update is traced, once, naming the fix;

@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from flax import errors as flax_errors
 from flax import nnx
 from flax.training import train_state
@@ -280,8 +281,20 @@ def restore_checkpoint(ckpt_dir: str, target: Any, *, step: int | None = None,
     template = jax.eval_shape(tx.inner.init, params)
     optax_state = _from_raw(template, saved, "opt_state")
     state = zinner.from_optax_state(tx, optax_state, params, mesh=mesh)
-  return target.replace(step=raw.get("step", target.step), params=params,
-                        opt_state=state)
+  return target.replace(step=_like(raw.get("step", target.step), target.step),
+                        params=params, opt_state=state)
+
+
+def _like(step: Any, target: Any) -> Any:
+  """The restored step as ``target``'s is: a Python int as flax's own
+  restore gives it, or an array placed as the target's (an array restored
+  without a target lies on one device, which a jit under ``jax.set_mesh``
+  refuses beside the mesh's arrays)."""
+  if isinstance(target, jax.Array):
+    return jax.device_put(jax.numpy.asarray(step, target.dtype), target.sharding)
+  if isinstance(target, int):
+    return int(np.asarray(step))
+  return step
 
 
 def _from_raw(template: Any, raw: Any, where: str) -> Any:

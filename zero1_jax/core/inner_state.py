@@ -241,7 +241,7 @@ def from_optax_state(tx: Any, optax_state: optax.OptState, params: Any,
   m_leaves, m_def = jax.tree.flatten(template.master, is_leaf=is_none)
   master = m_def.unflatten([
       None if m is None else
-      _placed(jnp_astype(p, m.dtype), m, f"master[{i}]", "master")
+      _placed(jnp_astype(_on_mesh_of(p, m), m.dtype), m, f"master[{i}]", "master")
       for i, (m, p) in enumerate(zip(m_leaves, p_leaves))])
   return template._replace(master=master, inner=inner)
 
@@ -258,10 +258,22 @@ class _nothing:
     return False
 
 
+def _on_mesh_of(x: Any, like: jax.Array) -> Any:
+  """``x`` replicated over ``like``'s mesh where it lies elsewhere (an optax
+  state restored onto one device, as params made under ``jax.set_mesh``
+  without a placement are): a pad or a cast under a mesh context refuses
+  an argument off that mesh's devices."""
+  sh = getattr(like, "sharding", None)
+  if (isinstance(x, jax.Array) and isinstance(sh, NamedSharding)
+      and x.sharding.device_set != sh.device_set):
+    return jax.device_put(x, NamedSharding(sh.mesh, P()))
+  return x
+
+
 def _placed(x: Any, like: jax.Array, path: str, what: str) -> jax.Array:
   """``x`` zero-padded to ``like``'s shape (at the end of the dims that
   differ) and placed with ``like``'s sharding."""
-  x = jax.numpy.asarray(x)
+  x = jax.numpy.asarray(_on_mesh_of(x, like))
   have, want = tuple(x.shape), tuple(like.shape)
   if len(have) != len(want) or any(a > b for a, b in zip(have, want)) \
       or jax.numpy.dtype(x.dtype) != jax.numpy.dtype(like.dtype):
