@@ -178,16 +178,20 @@ NEW = r"the optimizer state is new .* but the training's step is {}.*" \
       r"z1.flax.restore_checkpoint\(ckpt_dir, state\).*z1.from_optax_state"
 
 
-def _said(fn):
+def _said(fn, where=None):
   """The zero1 'new state' warnings ``fn()`` raised (run to completion),
-  each message said once per process forgotten first."""
+  each message said once per process forgotten first; ``where`` (a list)
+  gets the file each points at."""
   import warnings
   from zero1_jax.core import fresh_state
   fresh_state._SAID.clear()
   with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     jax.block_until_ready(fn())
-  return [str(x.message) for x in w if "optimizer state is new" in str(x.message)]
+  w = [x for x in w if "optimizer state is new" in str(x.message)]
+  if where is not None:
+    where.extend(x.filename for x in w)
+  return [str(x.message) for x in w]
 
 
 def test_flax_restore_of_an_optax_checkpoint_warns_at_the_first_update(tmp_path):
@@ -213,8 +217,10 @@ def test_flax_restore_of_an_optax_checkpoint_warns_at_the_first_update(tmp_path)
     tx = z1.zero1(opt(), axis_name="data")
     target = train_state.TrainState.create(apply_fn=None, params=p0, tx=tx)
     silent = checkpoints.restore_checkpoint(tmp_path, target=target)
-    said = _said(lambda: step(silent))
+    where = []
+    said = _said(lambda: step(silent), where)
     assert len(said) == 1 and re.search(NEW.format(2), said[0]), said
+    assert where == [__file__], where   # the user's line, not zero1's
     fresh = lambda: jax.jit(lambda s: s.apply_gradients(grads=g))  # noqa: E731
     said = _said(lambda: silent.apply_gradients(grads=g))   # eagerly
     assert len(said) == 1 and re.search(NEW.format(2), said[0]), said

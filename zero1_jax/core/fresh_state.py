@@ -182,4 +182,18 @@ def warn_if_new(tx: Any, strip: Callable[[Any], Any]) -> None:
     text = NEW_STATE.format(step=int(_scalar(step)))
     if text not in _SAID:
       _SAID.add(text)
-      warnings.warn(text, UserWarning, stacklevel=2)
+      warnings.warn(text, UserWarning, stacklevel=_callers_level())
+
+
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "zero1_jax", "equinox")
+
+
+def _callers_level() -> int:
+  """The ``stacklevel`` of the first frame outside jax, flax, optax and
+  zero1 (the line that called the step), for the warning to point at."""
+  f, level = sys._getframe(2), 2   # warn_if_new's caller is level 2
+  while f is not None:
+    if str(f.f_globals.get("__name__", "")).split(".")[0] not in _LIBRARIES:
+      return level
+    f, level = f.f_back, level + 1
+  return 2
