@@ -232,6 +232,23 @@ def test_flax_restore_of_an_optax_checkpoint_warns_at_the_first_update(tmp_path)
     assert not _said(lambda: fresh()(step(target)))
 
 
+def test_a_donated_owner_is_passed_over():
+  """A TrainState whose arrays an earlier step took (donate_argnums) may
+  still sit in a caller's frame when a step is traced: the check passes it
+  over instead of reading deleted arrays."""
+  from flax.training import train_state
+  from zero1_jax.core import fresh_state
+  with jax.set_mesh(mesh(4)):
+    tx = z1.zero1(opt(), axis_name="data")
+    s = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(8)},
+                                      tx=tx).replace(step=jnp.asarray(3))
+    s.opt_state.loss_scale.step.delete()   # as a donation leaves it
+    assert not fresh_state.is_new(s.step, s.opt_state)
+    assert fresh_state.concrete_owner(tx) is s   # found; its step is alive
+    s.step.delete()
+    assert fresh_state.concrete_owner(tx) is None
+
+
 def test_nnx_optimizer_and_zero1_train_state_warn_too():
   from flax import nnx
   import zero1_jax.flax as z1flax

@@ -86,10 +86,14 @@ def owner_step(tx: Any, frames: int = 3) -> Any:
 
 
 def _concrete(x: Any) -> bool:
-  """A number or an array with a value (not a tracer, not a spec)."""
+  """A number or an array with a value (not a tracer, not a spec, not an
+  array donated to an earlier step and deleted)."""
   x = _value(x)
-  return (isinstance(x, (int, np.integer, np.ndarray, jax.Array))
-          and not isinstance(x, jax.core.Tracer))
+  if isinstance(x, jax.core.Tracer):
+    return False
+  if isinstance(x, jax.Array):
+    return not x.is_deleted()
+  return isinstance(x, (int, np.integer, np.ndarray))
 
 
 def _candidates(v: Any):
