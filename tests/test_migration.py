@@ -232,10 +232,11 @@ def test_flax_restore_of_an_optax_checkpoint_warns_at_the_first_update(tmp_path)
     assert not _said(lambda: fresh()(step(target)))
 
 
-def test_a_donated_owner_is_passed_over():
+def test_a_donated_owner_and_a_raising_object_are_passed_over():
   """A TrainState whose arrays an earlier step took (donate_argnums) may
   still sit in a caller's frame when a step is traced: the check passes it
-  over instead of reading deleted arrays."""
+  over instead of reading deleted arrays. An object whose ``tx`` raises is
+  not an owner either."""
   from flax.training import train_state
   from zero1_jax.core import fresh_state
   with jax.set_mesh(mesh(4)):
@@ -247,6 +248,13 @@ def test_a_donated_owner_is_passed_over():
     assert fresh_state.concrete_owner(tx) is s   # found; its step is alive
     s.step.delete()
     assert fresh_state.concrete_owner(tx) is None
+
+    class Raises:   # someone else's object in a caller's frame
+      @property
+      def tx(self):
+        raise ValueError("not an owner")
+    here = Raises()   # read by concrete_owner from this frame
+    assert fresh_state.concrete_owner(tx) is None, here
 
 
 def test_nnx_optimizer_and_zero1_train_state_warn_too():

@@ -106,6 +106,17 @@ def _candidates(v: Any):
     yield from v.values()
 
 
+def _owns(c: Any, tx: Any) -> bool:
+  """Whether ``c`` holds ``tx`` with a concrete step and a state. Any
+  object of a caller's frame is asked: one whose attributes raise is not
+  an owner."""
+  try:
+    return (getattr(c, "tx", None) is tx and hasattr(c, "opt_state")
+            and _concrete(c.step))
+  except Exception:   # noqa: BLE001 - a property of someone else's object
+    return False
+
+
 def concrete_owner(tx: Any, frames: int = 64) -> Any:
   """The nearest object in the callers' frames whose ``tx`` is ``tx`` and
   whose ``step`` is a value, not a tracer: the owner the traced step was
@@ -117,8 +128,7 @@ def concrete_owner(tx: Any, frames: int = 64) -> Any:
       return None
     for v in list(f.f_locals.values()):
       for c in _candidates(v):
-        if (getattr(c, "tx", None) is tx and hasattr(c, "step")
-            and hasattr(c, "opt_state") and _concrete(c.step)):
+        if _owns(c, tx):
           return c
     f = f.f_back
   return None
