@@ -184,8 +184,8 @@ def trainstate_program(mesh, value_and_grad):
   compile-only mesh (zero1's init probes the optimizer on concrete numbers:
   not on those devices, which run nothing), then a plain-jit step taking
   its gradients from ``value_and_grad(loss, tx)`` and ``apply_gradients``
-  (zero1's run-time check of a restored state calls back to the host: not
-  in a program no backend here can run). Returns the compiled program and
+  (zero1's check of a restored state runs at trace time, on the host: no
+  concrete owner here, nothing checked). Returns the compiled program and
   the params' shapes."""
   import flax.linen as nn
   import jax.numpy as jnp

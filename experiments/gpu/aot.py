@@ -27,7 +27,8 @@ gradient clipping), ``jit_grad`` (``z1.zero1`` in plain jit after
 ``jit_vg_gathered`` (``jit_vg`` with ``shard_lookups=False``); not in the
 default list, ``jit_ts`` (flax's ``TrainState.apply_gradients`` with
 ``z1.zero1`` in plain jit) and ``jit_ts_nocheck`` (the same without zero1's
-run-time check for a state restored new mid-run).
+check for a state restored new mid-run; that check now runs at trace time,
+so the two compile to the same program).
 Needs jax's CUDA plugin at jax's version (``make gpu-aot`` installs it).
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ import zero1_jax as z1  # noqa: E402
 from experiments.gpu import aot  # noqa: E402
 
 # What runs first when time is short: BERT-base fp32 with every form (flax's
-# TrainState with and without zero1's run-time check among them), then the
+# TrainState with and without zero1's new-state check among them), then the
 # floor, DDP and the forms that own the step for the rest.
 PLAN = (
     [("bert-base", "fp32", f) for f in ("floor", "ddp", "train_step", "jit_vg", "jit_ts",
