@@ -2,7 +2,8 @@
 estimate, exercised here on one CPU device: each kind of step gets concrete
 arguments it accepts (its outputs fed back as its donated inputs), and the
 table sets a measured step against an estimate only where the per-device
-work does not depend on N (the floor, DDP).
+work does not depend on N (the floor, DDP); a compiler-flag variant of a
+plan entry runs with its flags and is its own row.
 """
 
 import math
@@ -21,6 +22,9 @@ def test_a_step_runs_on_the_arguments_made_for_it(form):
   assert r["form"] == form and r["gpus"] == 1 and r["device"] == jax.devices()[0].device_kind
   assert 0 < r["min_us"] <= r["step_us"] <= r["max_us"] and math.isfinite(r["step_us"])
   assert 0 < r["dispatch_us"] and math.isfinite(r["dispatch_us"])
+  # the host's pace: the queued calls return before (or as) they have run
+  assert 0 < r["queued_us"] <= r["step_us"] * 1.01
+  assert len(r["host_probe_us"]) == 2 and min(r["host_probe_us"]) > 0
   assert r["xla_peak_bytes"] > 3.7e6 * 4   # at least the fp32 params
 
 
@@ -30,12 +34,16 @@ def test_the_table_compares_only_work_that_does_not_depend_on_n():
                        "xla_peak_bytes": 2 ** 30, "device_peak_bytes": 2 ** 30}
   est = lambda f, us: {"form": f, "model": MODEL, "dtype": "fp32", "gpus": 8,
                        "compute_us": us}
-  md = measure.table([row("floor", 900), row("ddp", 1000), row("train_step", 1100)],
+  nocb = lambda r: {**r, "variant": "nocb", "queued_us": 700.0}
+  md = measure.table([row("floor", 900), row("ddp", 1000), row("train_step", 1100),
+                      nocb(row("ddp", 1200)), nocb(row("train_step", 1800))],
                      [est("floor", 1000), est("ddp", 800), est("train_step", 500)])
   lines = {ln.split(" | ")[1]: ln for ln in md.splitlines()[2:]}
   assert "| 0.90 |" in lines["floor"] and "| 1.25 |" in lines["ddp"]
   assert "| 1.100 |" in lines["train_step"] and "| — |" in lines["train_step"]
-  assert len(lines["floor"].split(" | ")) == 9   # a row has every column
+  # a variant is its own row, set against DDP's step in the same variant
+  assert "| 1.500 |" in lines["train_step (nocb)"] and "| 700 |" in lines["ddp (nocb)"]
+  assert {len(ln.split(" | ")) for ln in lines.values()} == {10}   # every column
 
 
 @pytest.mark.slow
@@ -53,5 +61,7 @@ def test_check_sh_steps_dry_run_on_the_cpu(tmp_path):
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   rows = [json.loads(x) for x in (tmp_path / "measured.jsonl").read_text().splitlines()]
-  assert [x["form"] for x in rows] == ["floor", "train_step"], rows
-  assert "train_step: ok" in (tmp_path / "measure.log").read_text()
+  assert [(x["form"], x["variant"]) for x in rows] == [("floor", ""), ("train_step", "nocb")]
+  assert "command_buffer" not in rows[0]["xla_flags"]
+  assert rows[1]["xla_flags"].endswith(measure.VARIANTS["nocb"])   # its process got them
+  assert "train_step (nocb): ok" in (tmp_path / "measure.log").read_text()

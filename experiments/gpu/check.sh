@@ -66,7 +66,7 @@ steps() {
 
 if [ "${1:-}" = "steps" ] && [ "${GPU_CHECK_DRY:-0}" = "1" ]; then
   JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=1" \
-    GPU_CHECK_STEPS_PLAN="small-bert:fp32:floor,small-bert:fp32:train_step" \
+    GPU_CHECK_STEPS_PLAN="small-bert:fp32:floor,small-bert:fp32:train_step:nocb" \
     GPU_CHECK_STEPS_ARGS="--iters 1 --repeats 1 --warmup 1" steps
   exit $?
 fi

@@ -22,6 +22,12 @@ GPUs their update is 1/8 of it).
   python -m experiments.gpu.measure --table DIR/measured.jsonl \\
       experiments/results/gpu_aot_h200.json            # the table, anywhere
 
+Beside the step, the host: its pace (``queued_us``: until the last queued
+call returned; where it equals the step, the device waited on the host), a
+fixed pure-Python workload timed before and after (``host_probe_us``), the
+CPUs' time while timed, and the GPU's clocks between forms in the log. A
+plan entry's fourth field names a compiler-flag variant (:data:`VARIANTS`).
+
 Each form runs in its own process (its peak is the device's high-water mark,
 ``memory_stats()["peak_bytes_in_use"]``); results are appended to
 ``measured.jsonl`` as they come, so a run cut short keeps what it finished.
@@ -59,6 +65,10 @@ PLAN = (
 # minus communication (see the module docstring).
 SAME_WORK = ("floor", "ddp", "ddp_nomaster")
 IDS = 2050   # token ids below every model's vocabulary (small-bert's 2050 rows)
+# Compiler-flag variants a plan entry may name as its fourth field
+# (model:dtype:form:variant), added to XLA_FLAGS of that form's process.
+# "nocb": no command buffers (CUDA graphs): each kernel launched by the host.
+VARIANTS = {"": "", "nocb": "--xla_gpu_enable_command_buffer="}
 
 
 def arguments(lowered, compiled, seed: int = 0):
@@ -82,22 +92,51 @@ def arguments(lowered, compiled, seed: int = 0):
   return jax.tree.unflatten(treedef, out)
 
 
-def timed(compiled, args, *, warmup: int = 3, iters: int = 20,
-          repeats: int = 5) -> tuple[list[float], list[float]]:
+def host_probe(reps: int = 5) -> float:
+  """Microseconds this host takes for a fixed piece of pure-Python work
+  (median of ``reps``): a yardstick of the host's speed at this moment, to
+  set beside the steps' host time from run to run."""
+  per = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    sum(i * i for i in range(200_000))
+    per.append(time.perf_counter() - t)
+  return 1e6 * float(np.median(per))
+
+
+def cpu_times() -> dict[str, float]:
+  """This machine's CPU time so far, all CPUs (/proc/stat, seconds): user,
+  system, idle and steal (time a hypervisor gave this VM's CPUs to others);
+  empty where there is no /proc/stat."""
+  try:
+    with open("/proc/stat") as f:
+      v = [int(x) for x in f.readline().split()[1:9]]
+  except (OSError, ValueError):
+    return {}
+  hz = os.sysconf("SC_CLK_TCK")
+  return {"user": (v[0] + v[1]) / hz, "system": (v[2] + v[5] + v[6]) / hz,
+          "idle": (v[3] + v[4]) / hz, "steal": v[7] / hz}
+
+
+def timed(compiled, args, *, warmup: int = 3, iters: int = 20, repeats: int = 5
+          ) -> tuple[list[float], list[float], list[float]]:
   """Seconds per step over ``repeats`` runs of ``iters`` steps each, the
-  outputs fed back as the next step's donated inputs; and seconds the host
+  outputs fed back as the next step's donated inputs; seconds the host
   takes to dispatch one call with the device idle (the call returns once
   the step is queued: where that is near the step's time, the host, not
-  the device, sets the pace)."""
+  the device, sets the pace); and per run, seconds per step until the last
+  of the ``iters`` calls returned (the host's pace: where it equals the
+  step's, the device waited on the host)."""
   p, s, b = args
   for _ in range(warmup):
     p, s, *_ = compiled(p, s, b)
   jax.block_until_ready((p, s))
-  per = []
+  per, queued = [], []
   for _ in range(repeats):
     t = time.perf_counter()
     for _ in range(iters):
       p, s, *rest = compiled(p, s, b)
+    queued.append((time.perf_counter() - t) / iters)
     jax.block_until_ready((p, s, rest))
     per.append((time.perf_counter() - t) / iters)
   host = []
@@ -106,12 +145,14 @@ def timed(compiled, args, *, warmup: int = 3, iters: int = 20,
     p, s, *rest = compiled(p, s, b)
     host.append(time.perf_counter() - t)
     jax.block_until_ready((p, s, rest))
-  return per, host
+  return per, host, queued
 
 
 def one(form: str, name: str, dtype: str, iters: int = 20, repeats: int = 5,
-        warmup: int = 3) -> dict:
-  """One form on the first device: compiled, run, timed."""
+        warmup: int = 3, variant: str = "") -> dict:
+  """One form on the first device: compiled, run, timed (the host's speed
+  probed before and after)."""
+  probe_before = host_probe()
   dev = jax.devices()[0]
   mesh = jax.make_mesh((1,), ("data",), devices=[dev],
                        axis_types=(jax.sharding.AxisType.Auto,))
@@ -119,14 +160,22 @@ def one(form: str, name: str, dtype: str, iters: int = 20, repeats: int = 5,
   lowered = aot.lower(form, name, dtype, mesh)
   compiled = lowered.compile(compiler_options=aot.OPTIONS)
   compile_s = time.perf_counter() - t0
-  per, host = timed(compiled, arguments(lowered, compiled), warmup=warmup,
-                    iters=iters, repeats=repeats)
+  args = arguments(lowered, compiled)
+  cpu0, t0 = cpu_times(), time.perf_counter()
+  per, host, queued = timed(compiled, args, warmup=warmup, iters=iters, repeats=repeats)
+  cpu1, wall = cpu_times(), time.perf_counter() - t0
+  # while timed: each kind of CPU time over the wall time (in CPUs' worth)
+  cpu = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}
   stats = dev.memory_stats() or {}
   return {
-      "form": form, "model": name, "dtype": dtype, "gpus": 1,
+      "form": form, "model": name, "dtype": dtype, "gpus": 1, "variant": variant,
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "device": dev.device_kind, "jax": jax.__version__,
       "step_us": 1e6 * float(np.median(per)), "min_us": 1e6 * min(per),
       "max_us": 1e6 * max(per), "dispatch_us": 1e6 * float(np.median(host)),
+      "queued_us": 1e6 * float(np.median(queued)),
+      "host_probe_us": [probe_before, host_probe()], "loadavg": list(os.getloadavg()),
+      "host_cpus": len(os.sched_getaffinity(0)), "cpus_busy_while_timed": cpu,
       "xla_peak_bytes": z1.inspect.memory(compiled)["peak"],
       "device_peak_bytes": stats.get("peak_bytes_in_use"),
       "compile_s": compile_s,
@@ -137,37 +186,53 @@ def run_plan(plan, out: str, deadline_s: float, per_form_s: float, timing: list[
   """Each (model, dtype, form) in its own process, until ``deadline_s``."""
   path = os.path.join(out, "measured.jsonl")
   start = time.monotonic()
-  for name, dtype, form in plan:
+  for name, dtype, form, *variant in plan:
+    variant = variant[0] if variant else ""
     left = deadline_s - (time.monotonic() - start)
     if left < 20:
       print(f"measure: out of time, skipped {name} {dtype} {form} and the rest", flush=True)
       break
     cmd = [sys.executable, "-m", "experiments.gpu.measure", "--one", form, name, dtype,
-           *timing, "--jsonl", path]
+           *timing, "--jsonl", path, "--variant", variant]
+    env = {**os.environ,
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {VARIANTS[variant]}".strip()}
     try:
-      r = subprocess.run(cmd, timeout=min(per_form_s, left), capture_output=True, text=True)
+      r = subprocess.run(cmd, timeout=min(per_form_s, left), capture_output=True, text=True,
+                         env=env)
       status = "ok" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr[-600:]}"
     except subprocess.TimeoutExpired:
       status = f"timed out after {min(per_form_s, left):.0f} s"
-    print(f"measure: {name} {dtype} {form}: {status}", flush=True)
+    what = f"{name} {dtype} {form}" + (f" ({variant})" if variant else "")
+    print(f"measure: {what}: {status}; gpu {gpu_state()}", flush=True)
+
+
+def gpu_state() -> str:
+  """The GPU's clocks, temperature and power now (nvidia-smi), for the log."""
+  try:
+    return subprocess.run(
+        ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+         "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "?"
 
 
 def table(measured: list[dict], estimates: list[dict]) -> str:
   """Markdown: measured N = 1 steps beside the 8-GPU estimates."""
   est = {(r["model"], r["dtype"], r["form"]): r for r in estimates if r["gpus"] == 8}
-  by = {(r["model"], r["dtype"], r["form"]): r for r in measured}
+  by = {(r["model"], r["dtype"], r["form"], r.get("variant", "")): r for r in measured}
   dev = measured[0]["device"] if measured else "?"
   out = [f"| model, params | form | measured step, 1 x {dev} (µs) | range | host µs a call | "
-         "/ DDP's | "
+         "host µs a step, queued | / DDP's | "
          "XLA's compute estimate, 8 GPUs (µs) | measured / estimate | "
-         "peak GiB: device / XLA |", "|---|---|---|---|---|---|---|---|---|"]
-  for (m, dt, f), r in by.items():
-    ddp, e = by.get((m, dt, "ddp")), est.get((m, dt, f))
+         "peak GiB: device / XLA |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for (m, dt, f, v), r in by.items():
+    ddp, e = by.get((m, dt, "ddp", v)), est.get((m, dt, f))
     comp = e["compute_us"] if e else None
     dpeak = r.get("device_peak_bytes")
-    cells = [f"{m}, {dt}", f, f"{r['step_us']:,.0f}",
+    cells = [f"{m}, {dt}", f + (f" ({v})" if v else ""), f"{r['step_us']:,.0f}",
              f"{r['min_us']:,.0f}-{r['max_us']:,.0f}",
              f"{r['dispatch_us']:,.0f}" if "dispatch_us" in r else "",
+             f"{r['queued_us']:,.0f}" if "queued_us" in r else "",
              f"{r['step_us'] / ddp['step_us']:.3f}" if ddp else "",
              f"{comp:,.0f}" if comp else "",
              f"{r['step_us'] / comp:.2f}" if comp and f in SAME_WORK else "—",
@@ -181,8 +246,9 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--one", nargs=3, metavar=("FORM", "MODEL", "DTYPE"))
   ap.add_argument("--jsonl", default=None)
+  ap.add_argument("--variant", default="", choices=sorted(VARIANTS))
   ap.add_argument("--plan", default=None,
-                  help="model:dtype:form,... (default: PLAN, most wanted first)")
+                  help="model:dtype:form[:variant],... (default: PLAN, most wanted first)")
   ap.add_argument("--out", default=os.environ.get("OUT", "experiments/results/gpu"))
   ap.add_argument("--deadline", type=float, default=420.0, help="seconds for the whole plan")
   ap.add_argument("--per-form", type=float, default=150.0)
@@ -198,7 +264,7 @@ def main(argv=None) -> None:
       print(table(measured, json.load(f)))
     return
   if a.one:
-    r = one(*a.one, iters=a.iters, repeats=a.repeats, warmup=a.warmup)
+    r = one(*a.one, iters=a.iters, repeats=a.repeats, warmup=a.warmup, variant=a.variant)
     print(json.dumps(r))
     with open(a.jsonl, "a") as f:
       f.write(json.dumps(r) + "\n")
