@@ -46,6 +46,25 @@ def test_the_table_compares_only_work_that_does_not_depend_on_n():
   assert {len(ln.split(" | ")) for ln in lines.values()} == {10}   # every column
 
 
+def test_a_form_is_set_against_the_ddp_timed_beside_it():
+  """Rows from several runs (a ``run`` field) keep their order and their
+  run; each is set against DDP of its own run, the nearest before it."""
+  row = lambda run, f, us: {"run": run, "form": f, "model": MODEL, "dtype": "fp32",
+                            "device": "H200", "step_us": us, "min_us": us, "max_us": us,
+                            "xla_peak_bytes": 2 ** 30}
+  md = measure.table([row(1, "ddp", 1000), row(1, "train_step", 1100),
+                      row(2, "train_step", 900), row(2, "ddp", 1800), row(2, "ddp", 1200),
+                      row(2, "train_step", 600)], [])
+  rows = [ln.split(" | ") for ln in md.splitlines()[2:]]
+  assert [(r[0], r[2]) for r in rows] == [("| 1", "ddp"), ("| 1", "train_step"),
+                                          ("| 2", "train_step"), ("| 2", "ddp"),
+                                          ("| 2", "ddp"), ("| 2", "train_step")]
+  ratio = [r[7] for r in rows]   # / DDP's
+  assert ratio[1] == "1.100"   # run 1's DDP
+  assert ratio[2] == "0.500"   # none before it in run 2: the first after
+  assert ratio[5] == "0.500"   # the nearest before: 1,200, not 1,800 or run 1's
+
+
 @pytest.mark.slow
 def test_check_sh_steps_dry_run_on_the_cpu(tmp_path):
   """The device phase as the lent GPU runs it (bash experiments/gpu/check.sh

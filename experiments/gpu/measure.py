@@ -216,17 +216,29 @@ def gpu_state() -> str:
     return "?"
 
 
+def _ddp_for(measured: list[dict], i: int) -> dict | None:
+  """The DDP row row ``i`` is set against: same run, model, dtype and
+  variant; the nearest before it, else the first after it (a form timed
+  beside DDP in one run is compared with that DDP, not another run's)."""
+  key = lambda r: (r.get("run"), r["model"], r["dtype"], r.get("variant", ""))
+  same = [j for j, r in enumerate(measured) if r["form"] == "ddp" and key(r) == key(measured[i])]
+  before = [j for j in same if j <= i]
+  return measured[before[-1] if before else same[0]] if same else None
+
+
 def table(measured: list[dict], estimates: list[dict]) -> str:
-  """Markdown: measured N = 1 steps beside the 8-GPU estimates."""
+  """Markdown: measured N = 1 steps beside the 8-GPU estimates, a row per
+  measured step in file order (with a ``run`` column where rows name runs)."""
   est = {(r["model"], r["dtype"], r["form"]): r for r in estimates if r["gpus"] == 8}
-  by = {(r["model"], r["dtype"], r["form"], r.get("variant", "")): r for r in measured}
+  runs = any("run" in r for r in measured)
   dev = measured[0]["device"] if measured else "?"
-  out = [f"| model, params | form | measured step, 1 x {dev} (µs) | range | host µs a call | "
-         "host µs a step, queued | / DDP's | "
+  out = [("| run " if runs else "") + f"| model, params | form | measured step, 1 x {dev} (µs) | "
+         "range | host µs a call | host µs a step, queued | / DDP's | "
          "XLA's compute estimate, 8 GPUs (µs) | measured / estimate | "
-         "peak GiB: device / XLA |", "|---|---|---|---|---|---|---|---|---|---|"]
-  for (m, dt, f, v), r in by.items():
-    ddp, e = by.get((m, dt, "ddp", v)), est.get((m, dt, f))
+         "peak GiB: device / XLA |", "|---" * (11 if runs else 10) + "|"]
+  for i, r in enumerate(measured):
+    m, dt, f, v = r["model"], r["dtype"], r["form"], r.get("variant", "")
+    ddp, e = _ddp_for(measured, i), est.get((m, dt, f))
     comp = e["compute_us"] if e else None
     dpeak = r.get("device_peak_bytes")
     cells = [f"{m}, {dt}", f + (f" ({v})" if v else ""), f"{r['step_us']:,.0f}",
@@ -238,7 +250,7 @@ def table(measured: list[dict], estimates: list[dict]) -> str:
              f"{r['step_us'] / comp:.2f}" if comp and f in SAME_WORK else "—",
              (f"{dpeak / 2 ** 30:.2f}" if dpeak else "?")
              + f" / {r['xla_peak_bytes'] / 2 ** 30:.2f}"]
-    out.append("| " + " | ".join(cells) + " |")
+    out.append("| " + " | ".join(([str(r.get("run", ""))] if runs else []) + cells) + " |")
   return "\n".join(out)
 
 
