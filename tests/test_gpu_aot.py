@@ -434,3 +434,42 @@ def test_collective_costs_times_each_collective_alone():
   assert set(small) == {"all-reduce", "reduce-scatter", "all-gather"}
   for kind in small:
     assert 0 < small[kind] < large[kind], kind
+
+
+def test_the_memory_line_is_ddps_peak_less_the_state_zero1_saves():
+  """docs/gpu.md's line for each form's peak per GPU: DDP's, less the
+  optimizer state sharded away (2 fp32 moments; with bf16 params 3 fp32
+  copies, DDP's master included), plus the param shard the forms that own
+  the step keep between steps. Psi = 1 Mi params: figures in MiB."""
+  from experiments.gpu import aot_tables as tables
+  psi, mib = 1 << 20, 1 << 20
+  ddp = {"form": "ddp", "model": "m", "gpus": 8, "peak_bytes": 100 * mib}
+  rows = [dict(ddp, dtype=dt) for dt in ("fp32", "bf16")] + [
+      {"form": f, "model": "m", "dtype": dt, "gpus": 8, "peak_bytes": pk * mib}
+      for f, dt, pk in [("jit_vg", "fp32", 93), ("train_step", "fp32", 94),
+                        ("jit_vg", "bf16", 89.5), ("zero2", "bf16", 89.75),
+                        ("floor", "fp32", 1)]]
+  line = {(r["form"], r["dtype"]): tables.memory_line(r, rows[0 if r["dtype"] == "fp32" else 1], psi)
+          / mib for r in rows}
+  assert line["jit_vg", "fp32"] == 100 - 8 * 7 / 8
+  assert line["train_step", "fp32"] == 100 - 8 * 7 / 8 + 4 / 8
+  assert line["jit_vg", "bf16"] == 100 - 12 * 7 / 8
+  assert line["zero2", "bf16"] == 100 - 12 * 7 / 8 + 2 / 8
+  out = tables.lines(rows, {"m": psi}).splitlines()[2:]
+  assert [r.split("|")[3].strip() for r in out] == ["jit_vg", "train_step", "jit_vg", "zero2"]
+  assert [r.split("|")[6].strip() for r in out] == ["0.0", "0.5", "0.0", "0.0"]
+
+
+def test_zero1_keywords_reach_only_the_forms_that_take_them():
+  """``--zero1 gather_bucket_bytes=...``: the zero1 forms compile with it,
+  the baselines without; the engine takes what its DeepSpeed config has
+  (``allgather_bucket_size``, in fp32 elements) and is left out, rather
+  than compiled without it, for what the config has not."""
+  kw = {"gather_bucket_bytes": 1 << 25}
+  assert gpu_aot.zero1_kw_for("train_step", kw) == kw
+  assert gpu_aot.zero1_kw_for("jit_grad", kw) == kw
+  assert gpu_aot.zero1_kw_for("ddp", kw) == {}
+  assert gpu_aot.zero1_kw_for("engine", kw) == kw
+  assert gpu_aot.zero1_kw_for("engine", {"inplace_bytes": 1 << 16}) is None
+  zero = gpu_aot.ds_json("fp32", 1, **kw)["zero_optimization"]
+  assert zero == {"stage": 1, "allgather_bucket_size": 1 << 23}

@@ -11,6 +11,7 @@ collectives move and its peak per device (``memory_analysis``).
   python -m experiments.gpu.aot                      # BERT-base + GPT-2 small, fp32 + bf16, 8 GPUs
   python -m experiments.gpu.aot --gpus 8,16,32,64 --forms floor,ddp,train_step
   python -m experiments.gpu.aot --out experiments/results   # writes gpu_aot.json / gpu_aot.md
+  python -m experiments.gpu.aot --tables experiments/results/gpu_aot.json --lines   # peaks
 
 Forms: ``floor`` (forward, backward, a local SGD step; only the loss's scalar
 all-reduce), ``ddp`` (optax in plain jit, params and state replicated: the
@@ -60,10 +61,9 @@ from zero1_jax.deepspeed import engine as ds_engine  # noqa: E402
 from zero1_jax.deepspeed import config as ds_config  # noqa: E402
 from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
 from zero1_jax.models import bert, gpt  # noqa: E402
+from experiments.gpu.aot_tables import (  # noqa: E402
+    BASELINES, FORMS, lines, scaling, table)
 
-FORMS = ("floor", "ddp", "ddp_nomaster", "gspmd", "train_step",
-         "train_step_gathered", "zero2", "engine", "jit_grad", "jit_vg",
-         "jit_vg_gathered")
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 # (config, per-device batch, sequence length): BERT-base MLM at 8 x 128
 # tokens a device (the issue's 64 x 128 on 8 GPUs); GPT-2 small at 2 x 1024.
@@ -111,13 +111,17 @@ def with_shardings(tree, shardings):
                       tree, shardings)
 
 
-def ds_json(dtype: str, stage: int, bucket_bytes: int | None = None) -> dict:
+def ds_json(dtype: str, stage: int, bucket_bytes: int | None = None,
+            gather_bucket_bytes: int | None = None) -> dict:
   """A DeepSpeed config as HF's integration writes one: AdamW, clipping 1.0
-  (``bucket_bytes``: reduce and all-gather bucket sizes, as fp32 elements)."""
+  (``bucket_bytes``: reduce and all-gather bucket sizes, as fp32 elements;
+  ``gather_bucket_bytes``: the all-gather's alone)."""
   zero = {"stage": stage}
   if bucket_bytes:
     zero.update(reduce_bucket_size=bucket_bytes // 4,
                 allgather_bucket_size=bucket_bytes // 4)
+  if gather_bucket_bytes:
+    zero.update(allgather_bucket_size=gather_bucket_bytes // 4)
   cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
          "zero_optimization": zero,
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
@@ -226,16 +230,30 @@ def _lower_train_state(form, shapes, loss_fn, params, batch, mesh):
     fresh_state.warn_if_new = check
 
 
-def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100") -> dict:
-  """One compiled form: XLA's estimate, exposure, bytes and peak."""
+def zero1_kw_for(form: str, zero1_kw: dict) -> dict | None:
+  """The keywords ``form`` compiles with (None: it cannot take them); the
+  engine takes the two bucket sizes its DeepSpeed config has."""
+  if form in BASELINES or not zero1_kw:
+    return {}
+  if form == "engine" and set(zero1_kw) - {"bucket_bytes", "gather_bucket_bytes"}:
+    return None
+  return dict(zero1_kw)
+
+
+def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100",
+            zero1_kw: dict | None = None) -> dict:
+  """One compiled form: XLA's estimate, exposure, bytes and peak
+  (``zero1_kw``: more keywords for the zero1 forms, see :func:`lower`)."""
   hosts = max(1, gpus // 8)
   mesh = gpu.mesh(gpus, ("data",), gpu=kind, hosts=hosts)
+  kw = zero1_kw_for(form, zero1_kw or {})
   t0 = time.perf_counter()
-  compiled, schedule = gpu.compile(lower(form, name, dtype, mesh), OPTIONS)
+  compiled, schedule = gpu.compile(lower(form, name, dtype, mesh, **kw), OPTIONS)
   s = sched.summary(schedule)
   colls = z1.inspect.hlo_collectives(compiled.as_text())
   return {
       "form": form, "model": name, "dtype": dtype, "gpus": gpus, "gpu": kind,
+      **({"zero1_kw": kw} if kw else {}),
       "step_us": s.step_us, "compute_us": s.compute_us, "exposed_us": s.exposed_us,
       "exposed_by_kind": s.exposed_by_kind,
       "collectives": {k: {"count": c.count, "bytes": c.bytes} for k, c in colls.items()},
@@ -246,55 +264,6 @@ def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100") -> 
 
 def applicable(form: str, dtype: str) -> bool:
   return form != "ddp_nomaster" or dtype == "bf16"
-
-
-def table(rows: list[dict]) -> str:
-  """Markdown: one table per (model, dtype, GPUs), ratios against DDP."""
-  out = []
-  groups = sorted({(r["model"], r["dtype"], r["gpus"]) for r in rows},
-                  key=lambda g: (g[0], g[1], g[2]))
-  for m, dt, g in groups:
-    rs = {r["form"]: r for r in rows if (r["model"], r["dtype"], r["gpus"]) == (m, dt, g)}
-    floor, ddp = rs.get("floor"), rs.get("ddp")
-    kind = next(iter(rs.values())).get("gpu", "h100").upper()
-    out += [f"\n**{m}, {dt} params, {g} x {kind}** (XLA's cost model, µs)\n",
-            "| form | step | / DDP | above floor | / DDP's | exposed comm | "
-            "reduce-scatter + all-reduce + all-gather MiB | peak MiB |",
-            "|---|---|---|---|---|---|---|---|"]
-    for f in FORMS:
-      r = rs.get(f)
-      if r is None:
-        continue
-      above = r["step_us"] - floor["step_us"] if floor else float("nan")
-      d_above = ddp["step_us"] - floor["step_us"] if floor and ddp else float("nan")
-      mib = sum(c["bytes"] * (2 if k == "all-reduce" else 1)
-                for k, c in r["collectives"].items()
-                if k in ("reduce-scatter", "all-reduce", "all-gather")) / 2 ** 20
-      out.append(
-          f"| {f} | {r['step_us']:,.0f} | "
-          f"{r['step_us'] / ddp['step_us']:.3f} | {above:,.0f} | "
-          f"{above / d_above:.2f} | {r['exposed_us']:,.0f} | {mib:,.0f} | "
-          f"{r['peak_bytes'] / 2 ** 20:,.0f} |" if ddp else f"| {f} | {r['step_us']:,.0f} |")
-  return "\n".join(out)
-
-
-def scaling(rows: list[dict]) -> str:
-  """Markdown: the step at each GPU count, one row per (model, dtype, form),
-  with its ratio to DDP's step there."""
-  gpus = sorted({r["gpus"] for r in rows})
-  out = ["| model, params | form | " + " | ".join(f"{g} GPUs" for g in gpus) + " |",
-         "|---|---|" + "---|" * len(gpus)]
-  by = {(r["model"], r["dtype"], r["form"], r["gpus"]): r for r in rows}
-  for m, dt in sorted({(r["model"], r["dtype"]) for r in rows}):
-    for f in FORMS:
-      cells = []
-      for g in gpus:
-        r, d = by.get((m, dt, f, g)), by.get((m, dt, "ddp", g))
-        cells.append("" if r is None else f"{r['step_us']:,.0f}" + (
-            f" ({r['step_us'] / d['step_us']:.2f})" if d and f != "ddp" else ""))
-      if any(cells):
-        out.append(f"| {m}, {dt} | {f} | " + " | ".join(cells) + " |")
-  return "\n".join(out)
 
 
 def main(argv=None) -> None:
@@ -308,7 +277,13 @@ def main(argv=None) -> None:
   ap.add_argument("--tables", nargs="*", default=None,
                   help="only write the tables of these gpu_aot.json files (merged; a later "
                        "file's row replaces an earlier one's)")
+  ap.add_argument("--zero1", default="",
+                  help="KEY=INT,... more keywords for the zero1 forms, e.g. "
+                       "gather_bucket_bytes=33554432 (the engine takes the two bucket sizes)")
+  ap.add_argument("--lines", action="store_true",
+                  help="also print each zero1 form's peak against DDP's less the state it saves")
   a = ap.parse_args(argv)
+  zero1_kw = {k: int(v) for k, v in (kv.split("=") for kv in a.zero1.split(",") if kv)}
   rows = []
   if a.tables is not None:   # a later file's row replaces an earlier one's
     merged = {}
@@ -322,9 +297,9 @@ def main(argv=None) -> None:
     for dt in filter(None, a.dtypes.split(",")):
       for g in map(int, filter(None, a.gpus.split(","))):
         for f in filter(None, a.forms.split(",")):
-          if not applicable(f, dt):
+          if not applicable(f, dt) or zero1_kw_for(f, zero1_kw) is None:
             continue
-          r = measure(f, m, dt, g, a.gpu)
+          r = measure(f, m, dt, g, a.gpu, zero1_kw)
           rows.append(r)
           print(f"{m:10} {dt} {g:3} GPUs {f:13} step {r['step_us']:9,.0f} µs  exposed "
                 f"{r['exposed_us']:7,.0f}  peak {r['peak_bytes'] / 2 ** 30:6.2f} GiB  "
@@ -333,6 +308,10 @@ def main(argv=None) -> None:
   if len({r["gpus"] for r in rows}) > 1:
     md += ("\n\n**Step (µs) at 8 to 64 H100s, 8 a host** (XLA's cost model; in "
            "brackets: / DDP's step)\n\n" + scaling(rows))
+  if a.lines:
+    md += "\n\n**Peak per GPU against the memory line**\n\n" + lines(rows, {
+        m: sum(x.size for x in jax.tree.leaves(model(m, "fp32")[0]))
+        for m in {r["model"] for r in rows}})
   print(md)
   if a.out:
     os.makedirs(a.out, exist_ok=True)
