@@ -128,6 +128,22 @@ def collective_starts(instrs, kind):
           or (i.opcode == "async-start" and kind in i.attrs)]
 
 
+@pytest.mark.parametrize("form", ["zero2", "jit_vg"])
+def test_hooks_reduce_scatter_each_leaf_in_its_own_shape(compiled, form):
+  """On GPUs the backward's hooks hand XLA one reduce-scatter a leaf, in the
+  leaf's shape, and XLA combines a group's into one by its combiner_key: the
+  reduce-scatters' operands are the SHARD leaves' gradients, not a packed
+  copy of them (zero2.reduce_hook's per_leaf)."""
+  c, _ = compiled[form, "fp32"]
+  module = hlo_graph.parse(c.as_text())
+  rs = [i for comp in module.computations.values() for k in
+        collective_starts(comp, "reduce-scatter") for i in [comp[k]]]
+  leaves = [s for s in lay.plan(gpu_aot.model(MODEL, "fp32")[0], 8).leaves
+            if s.kind == lay.SHARD]
+  assert len(rs) < len(leaves)                     # XLA combined them
+  assert sum(len(i.operands) for i in rs) == len(leaves), form
+
+
 def test_plain_jit_gathers_what_each_reduce_scatter_brought(compiled):
   """z1.value_and_grad + tx.update: the new weights are gathered in the
   groups the backward reduce-scattered (core/plan.py backward_buckets), so

@@ -134,6 +134,38 @@ def test_update_inside_a_users_shard_map_is_zero1s():
   assert_equal(outs[1], outs[0], "updates ")
 
 
+@pytest.mark.parametrize("n,dtype", [(8, "fp32"), (8, "fp16"), (4, "bf16"),
+                                     (2, "fp32")])
+def test_per_leaf_hooks_hand_each_device_the_packed_hooks_shards(n, dtype):
+  """On GPUs and TPUs each leaf's gradient is reduce-scattered in its own
+  shape along its shard dim (XLA combines a group's by its combiner_key);
+  on CPU the group's rank-major views are packed into one collective. Both
+  hand each device the same shard of every leaf, bitwise: exact_loss's
+  gradients are dyadic, exact in any summation order and in fp16's
+  predivision by N. The leaves: padded on dim 0 and on dim 1, unpadded on
+  dim 0 and on dim 1, a scalar, a zero-size and an integer leaf."""
+  params = dict(odd_params(DTYPES[dtype]), cols=jnp.ones((3, 16), DTYPES[dtype]),
+                rows=jnp.ones((16, 3), DTYPES[dtype]))
+  cfg = z1.zero1(optax.sgd(0.1), axis_name="data", bucket_bytes=256,
+                 inplace_bytes=64).config
+  b = exact_batches(1, size=4 * n)[0]
+  loss = lambda p, bt: (exact_loss(p, bt), None)
+
+  def shards(platform):
+    def per_device(p, bt):
+      g, _ = zero2.reduced_grad_fn(loss, p, cfg, n, None, platform)(bt)
+      return jax.tree.map(lambda x: x[None], g)
+    msh = mesh(n)
+    f = jax.shard_map(per_device, mesh=msh, in_specs=(P(), P("data")),
+                      out_specs=P("data"), check_vma=False)
+    return jax.jit(f)(params, jax.device_put(b, NamedSharding(msh, P("data"))))
+
+  per_leaf, packed = shards("gpu"), shards(None)
+  assert jax.tree.structure(per_leaf) == jax.tree.structure(packed)
+  assert_equal(per_leaf, packed, f"N={n} {dtype} ")
+  assert np.any(np.asarray(packed["cols"], np.float32) != 0)
+
+
 def test_same_keywords_as_zero1():
   assert inspect.signature(z1.zero2) == inspect.signature(z1.zero1)
   kw = dict(reduce="all_reduce", bucket_bytes=4096, gather_bucket_bytes=512,

@@ -171,7 +171,7 @@ def reduce_scatter(grads: Sequence[jax.Array | None], layout: Layout,
       if before:
         g, outs[prev] = _after(g, outs[prev])
       with ordering.tagged(REDUCE_KEY.format(b.group)):
-        shard = _reduce_leaf(predivide(g, n) if pre else g,
+        shard = reduce_leaf(predivide(g, n) if pre else g,
                              layout.leaves[i], axis_name, all_reduce)
       outs.append((i, restore_sum(shard, n) if pre else shard))
       continue
@@ -236,8 +236,8 @@ def _pad_to_shards(x: jax.Array, spec: LeafSpec) -> jax.Array:
   return jnp.pad(x, pads)
 
 
-def _reduce_leaf(g: jax.Array, spec: LeafSpec, axis_name: str,
-                 all_reduce: bool) -> jax.Array:
+def reduce_leaf(g: jax.Array, spec: LeafSpec, axis_name: str,
+                all_reduce: bool) -> jax.Array:
   """One leaf's collective on the leaf itself: reduce-scatter along its shard
   dim (a copy only if the dim needs padding), or psum and this device's rows."""
   if all_reduce:
