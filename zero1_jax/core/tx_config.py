@@ -74,9 +74,8 @@ class Zero1Config:
       ``z1.value_and_grad``), bucketed in the backward's order, filled
       from its end (:func:`~zero1_jax.core.zero2.hook_groups`). In place,
       the small leaves shared a bucket that completed only at the
-      backward's end. GPT-2 fp32 on 32 H100s: 20,142 µs packed (20,933
-      filled from the start), 21,755 in place with the small leaves'
-      groups ending at each large leaf; DDP 20,531. Stage 2's hooks
+      backward's end. GPT-2 fp32 on 32 H100s: 19,532 µs packed (20,540
+      filled from the start), 23,808 in place; DDP 20,531. Stage 2's hooks
       stay in place, each gradient freed once reduced (its point); packed
       as well they gained 1-2% there (zero2 on 32 H100s 20,109 µs against
       20,213 with the gathers alone packed).
