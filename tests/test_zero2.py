@@ -137,7 +137,7 @@ def test_update_inside_a_users_shard_map_is_zero1s():
 @pytest.mark.parametrize("n,dtype", [(8, "fp32"), (8, "fp16"), (4, "bf16"),
                                      (2, "fp32")])
 def test_per_leaf_hooks_hand_each_device_the_packed_hooks_shards(n, dtype):
-  """On GPUs and TPUs each leaf's gradient is reduce-scattered in its own
+  """On GPUs each leaf's gradient is reduce-scattered in its own
   shape along its shard dim (XLA combines a group's by its combiner_key);
   on CPU the group's rank-major views are packed into one collective. Both
   hand each device the same shard of every leaf, bitwise: exact_loss's
