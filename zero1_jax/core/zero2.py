@@ -6,7 +6,9 @@ transformation differentiates the loss through one identity *hook* per
 parameter leaf, or group of small leaves (:func:`reduce_hook`). The hook's forward returns the full
 parameter; its backward rule receives that leaf's complete cotangent, the
 moment the backward pass has produced it, and reduce-scatters it at once
-(rank-major view, :func:`zero1_jax.core.collectives.rank_major`): each device
+(on GPUs in its own shape, XLA combining a group's; elsewhere a group's
+rank-major views, :func:`zero1_jax.core.collectives.rank_major`, packed
+into one collective): each device
 keeps only its 1/N shard, handed as the cotangent of a shard-shaped zero
 *slot* that is what ``jax.grad`` differentiates. The parameter's own
 cotangent is never asked for, so no full gradient tree is alive at once:
