@@ -35,15 +35,19 @@ def mesh():
   return gpu.mesh(8)
 
 
+DUMPS: dict = {}   # (form, dtype) -> the directory of XLA's dump of its compile
+
+
 @pytest.fixture(scope="module")
-def compiled(mesh):
+def compiled(mesh, tmp_path_factory):
   """form -> (compiled, Schedule) for fp32 params, and train_step in bf16."""
   out = {}
   for form, dtype in [(f, "fp32") for f in FORMS] + [("train_step", "bf16"),
                                                       ("ddp", "fp32")]:
     kw = {} if form == "ddp" else {"bucket_bytes": BUCKET}
     low = gpu_aot.lower(form, MODEL, dtype, mesh, **kw)
-    c, schedule = gpu.compile(low)
+    DUMPS[form, dtype] = str(tmp_path_factory.mktemp(f"{form}_{dtype}"))
+    c, schedule = gpu.compile(low, dump_to=DUMPS[form, dtype])
     out[form, dtype] = (c, schedule)
   return out
 
@@ -382,6 +386,19 @@ def test_between_steps_a_device_holds_a_1_over_n_share(compiled):
   assert z["alias"] >= stored + layout.state_bytes_per_device()
 
 
+@pytest.mark.parametrize("form", ["ddp", "train_step"])
+def test_the_bytes_live_at_the_peak_are_read_from_xlas_dump(compiled, form):
+  """docs/gpu.md's live bytes at the peak: the temp heap's values live at
+  XLA's peak instruction, each buffer once. They fit in the temp heap
+  memory_analysis reports, and hold at least the loss's fp32 logits (32 x
+  128 tokens x 2,050 rows a device), live from the forward into the
+  backward; the rest of the heap is what its packing leaves unused."""
+  from experiments.probes import peak_breakdown
+  c, _ = compiled[form, "fp32"]
+  live = peak_breakdown.temp_live_at_peak(DUMPS[form, "fp32"])
+  assert 32 * 128 * 2050 * 4 <= live <= z1.inspect.memory(c)["temp"]
+
+
 def test_auto_collectives_follow_the_devices_compiled_for(mesh):
   """inplace_bytes="auto": in place (one collective per large leaf, XLA
   combining them) for a program compiled for GPUs, packed (one bucket) on
@@ -474,6 +491,16 @@ def test_the_memory_line_is_ddps_peak_less_the_state_zero1_saves():
   out = tables.lines(rows, {"m": psi}).splitlines()[2:]
   assert [r.split("|")[3].strip() for r in out] == ["jit_vg", "train_step", "jit_vg", "zero2"]
   assert [r.split("|")[6].strip() for r in out] == ["0.0", "0.5", "0.0", "0.0"]
+  assert [r.split("|")[7].strip() for r in out] == [""] * 4   # no live bytes measured
+  # the same line for the bytes live at the peak, drawn from DDP's live bytes
+  live = {("ddp", "fp32"): 90, ("ddp", "bf16"): 90, ("jit_vg", "fp32"): 83.5,
+          ("train_step", "fp32"): 83, ("jit_vg", "bf16"): 79.5, ("zero2", "bf16"): 80}
+  for r in rows:
+    if (r["form"], r["dtype"]) in live:
+      r["live_peak_bytes"] = live[r["form"], r["dtype"]] * mib
+  out = tables.lines(rows, {"m": psi}).splitlines()[2:]
+  assert [r.split("|")[8].strip() for r in out] == ["83.0", "83.5", "79.5", "79.8"]
+  assert [r.split("|")[9].strip() for r in out] == ["0.5", "0.0", "0.0", "0.2"]
 
 
 def test_zero1_keywords_reach_only_the_forms_that_take_them():

@@ -6,7 +6,9 @@ timeline says what one step costs: every figure here is XLA's cost model
 (NCCL tables for collectives, a roofline for fusions), an estimate, not a
 measurement. Per form: the estimated step, its time above the
 no-communication floor, the collective time no compute hides, the bytes its
-collectives move and its peak per device (``memory_analysis``).
+collectives move, its peak per device (``memory_analysis``) and the bytes
+live at that peak (the rest is what the heap's packing leaves unused; read
+from XLA's dump of the compile).
 
   python -m experiments.gpu.aot                      # BERT-base + GPT-2 small, fp32 + bf16, 8 GPUs
   python -m experiments.gpu.aot --gpus 8,16,32,64 --forms floor,ddp,train_step
@@ -38,6 +40,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 PLUGINS = os.path.join(sys.prefix, "aot-plugins")
@@ -61,6 +64,7 @@ from zero1_jax.deepspeed import engine as ds_engine  # noqa: E402
 from zero1_jax.deepspeed import config as ds_config  # noqa: E402
 from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
 from zero1_jax.models import bert, gpt  # noqa: E402
+from experiments.probes import peak_breakdown  # noqa: E402
 from experiments.gpu.aot_tables import (  # noqa: E402
     BASELINES, FORMS, lines, scaling, table)
 
@@ -248,16 +252,23 @@ def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100",
   mesh = gpu.mesh(gpus, ("data",), gpu=kind, hosts=hosts)
   kw = zero1_kw_for(form, zero1_kw or {})
   t0 = time.perf_counter()
-  compiled, schedule = gpu.compile(lower(form, name, dtype, mesh, **kw), OPTIONS)
+  with tempfile.TemporaryDirectory(prefix="zero1_aot_") as dump:
+    compiled, schedule = gpu.compile(lower(form, name, dtype, mesh, **kw), OPTIONS,
+                                     dump_to=dump)
+    temp_live = peak_breakdown.temp_live_at_peak(dump)
   s = sched.summary(schedule)
   colls = z1.inspect.hlo_collectives(compiled.as_text())
+  mem = z1.inspect.memory(compiled)
   return {
       "form": form, "model": name, "dtype": dtype, "gpus": gpus, "gpu": kind,
       **({"zero1_kw": kw} if kw else {}),
       "step_us": s.step_us, "compute_us": s.compute_us, "exposed_us": s.exposed_us,
       "exposed_by_kind": s.exposed_by_kind,
       "collectives": {k: {"count": c.count, "bytes": c.bytes} for k, c in colls.items()},
-      "peak_bytes": z1.inspect.memory(compiled)["peak"],
+      "peak_bytes": mem["peak"],
+      # what the step holds at its peak: its arguments and outputs, and the
+      # temporaries live there (peak_bytes less the heap's unused gaps)
+      "live_peak_bytes": mem["argument"] + mem["output"] - mem["alias"] + temp_live,
       "compile_s": time.perf_counter() - t0,
   }
 

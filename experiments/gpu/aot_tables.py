@@ -45,32 +45,43 @@ def table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
-def memory_line(row: dict, ddp: dict, params: int) -> float:
+def memory_line(row: dict, ddp: dict, params: int, key: str = "peak_bytes") -> float:
   """The peak ``row``'s form should not pass (bytes a device): DDP's peak
   less the optimizer state ZeRO-1 shards away (``params`` x 8 bytes x
   (1 - 1/N) in fp32, two moments; x 12 with bf16 params, whose DDP keeps
   an fp32 master too), plus the param shard the forms that own the step
-  keep (``params`` x 4 or 2 bytes / N)."""
+  keep (``params`` x 4 or 2 bytes / N). ``key="live_peak_bytes"``: the same
+  line for the bytes live at the peak (without the heap's unused gaps)."""
   n, fp32 = row["gpus"], row["dtype"] == "fp32"
   saved = (8 if fp32 else 12) * params * (1 - 1 / n)
   kept = (4 if fp32 else 2) * params / n if row["form"] in KEEP_SHARD else 0
-  return ddp["peak_bytes"] - saved + kept
+  return ddp[key] - saved + kept
 
 
 def lines(rows: list[dict], params: dict[str, int]) -> str:
   """Markdown: each zero1 form's peak against :func:`memory_line`
-  (``params``: model -> its parameter count)."""
-  out = ["| model, params | GPUs | form | peak MiB | line MiB | over MiB |",
-         "|---|---|---|---|---|---|"]
+  (``params``: model -> its parameter count), and the bytes live at the
+  peak against the same line drawn from DDP's live bytes, where both rows
+  carry them."""
+  mib = lambda b: f"{b / 2 ** 20:,.1f}"
+  out = ["| model, params | GPUs | form | peak MiB | line MiB | over MiB | "
+         "live at peak MiB | its line MiB | over MiB |",
+         "|---|---|---|---|---|---|---|---|---|"]
   ddps = {(r["model"], r["dtype"], r["gpus"]): r for r in rows if r["form"] == "ddp"}
   for r in rows:
     d = ddps.get((r["model"], r["dtype"], r["gpus"]))
     if r["form"] in BASELINES or d is None:
       continue
     line = memory_line(r, d, params[r["model"]])
+    cells = [mib(r["peak_bytes"]), mib(line), mib(max(0.0, r["peak_bytes"] - line))]
+    if "live_peak_bytes" in r and "live_peak_bytes" in d:
+      live = memory_line(r, d, params[r["model"]], "live_peak_bytes")
+      cells += [mib(r["live_peak_bytes"]), mib(live),
+                mib(max(0.0, r["live_peak_bytes"] - live))]
+    else:
+      cells += [""] * 3
     out.append(f"| {r['model']}, {r['dtype']} | {r['gpus']} | {r['form']} | "
-               f"{r['peak_bytes'] / 2 ** 20:,.1f} | {line / 2 ** 20:,.1f} | "
-               f"{max(0.0, r['peak_bytes'] - line) / 2 ** 20:,.1f} |")
+               + " | ".join(cells) + " |")
   return "\n".join(out)
 
 

@@ -63,7 +63,7 @@ def _files(dump: str) -> tuple[str, str, str]:
           one("cpu_after_optimizations-buffer-assignment.txt"))
 
 
-def _placement(assignment: str) -> dict[str, tuple[int, int, int]]:
+def placement(assignment: str) -> dict[str, tuple[int, int, int]]:
   """HLO value (``name{index}``) -> (allocation, offset, size) it occupies."""
   out, alloc = {}, -1
   for line in assignment.splitlines():
@@ -79,7 +79,7 @@ def _placement(assignment: str) -> dict[str, tuple[int, int, int]]:
   return out
 
 
-def _distinct_bytes(values: list[str], placement: dict) -> int:
+def distinct_bytes(values: list[str], placement: dict) -> int:
   """Bytes of memory the values occupy, counting once what several share
   (an in-place fusion writes its output over an operand's buffer)."""
   spans = collections.defaultdict(list)
@@ -93,6 +93,33 @@ def _distinct_bytes(values: list[str], placement: dict) -> int:
       total += max(0, b - max(a, end))
       end = max(end, b)
   return total
+
+
+def temp_live_at_peak(dump: str) -> int:
+  """The most bytes of XLA's temp heap that values live at one point of the
+  schedule occupy (shared buffers counted once), from the dump of one
+  compiled module in ``dump``: with ``memory_analysis()``'s argument +
+  output - alias, what the step holds at its peak; its temp size less this
+  is what the heap's packing leaves unused. (The live-range dump's own
+  "peak" counts an argument only until its last read, though its buffer
+  stays allocated.)"""
+  def one(suffix):
+    hits = [f for f in glob.glob(os.path.join(dump, f"*after_optimizations-{suffix}"))
+            if "-clone" not in f]
+    if len(hits) != 1:
+      raise ValueError(f"expected one *{suffix} in {dump}, found {hits}")
+    return open(hits[0]).read()
+  live, assignment = one("live-range.txt"), one("buffer-assignment.txt")
+  temp = {int(a) for a in re.findall(r"^allocation (\d+): [^\n]*preallocated-temp",
+                                     assignment, re.M)}
+  where = placement(assignment)
+  block = live[live.index("BufferLiveRange:"):]
+  spans = [(int(a), int(b), v) for v, a, b in re.findall(
+      r"^\s+([\w.\-]+\{[^}]*\}):(\d+)-(\d+)$", block, re.M)
+      if where.get(v, (None,))[0] in temp]
+  # the bytes live change only where a value starts: the most is at a start
+  return max((distinct_bytes([v for a, b, v in spans if a <= t <= b], where)
+              for t in sorted({a for a, _, _ in spans})), default=0)
 
 
 def _op_names(hlo: str) -> dict[str, str]:
@@ -118,7 +145,7 @@ def parse(dump: str) -> dict:
   vals = re.findall(r"^\s+([\w.\-]+)(\{[^}]*\}): (\d+) bytes", block, re.M)
   names = _op_names(hlo)
   return dict(heap=heap,
-              live=_distinct_bytes([n + i for n, i, _ in vals], _placement(assignment)),
+              live=distinct_bytes([n + i for n, i, _ in vals], placement(assignment)),
               buffers=[(n, int(b), _label(n, names)) for n, _, b in vals])
 
 

@@ -120,19 +120,23 @@ def mesh(axis_shapes: int | Sequence[int] = 8,
   return topologies.make_mesh(topo, shape, tuple(axis_names), **kw)
 
 
-def compile(lowered: Any, compiler_options: dict | None = None
-            ) -> tuple[Any, sched.Schedule]:
+def compile(lowered: Any, compiler_options: dict | None = None, *,
+            dump_to: str | None = None) -> tuple[Any, sched.Schedule]:
   """``lowered.compile()`` with XLA's latency-hiding schedule dumped and read.
 
   Returns the compiled step (``.as_text()``, ``.memory_analysis()``) and its
   :class:`zero1_jax.inspect.schedule.Schedule` (:func:`~zero1_jax.inspect.
   schedule.summary` gives the step's estimate): XLA's cost model of one step
-  on the GPUs of the mesh it was lowered for, not a measurement."""
-  where = tempfile.mkdtemp(prefix="zero1_schedule_")
+  on the GPUs of the mesh it was lowered for, not a measurement.
+  ``dump_to``: an empty directory where XLA's dump of the compile (the optimized
+  HLO, its buffer assignment and live ranges) stays; by default a temporary
+  one, removed."""
+  where = dump_to or tempfile.mkdtemp(prefix="zero1_schedule_")
   try:
     options = {**(compiler_options or {}), "xla_dump_to": where,
                "xla_dump_latency_hiding_schedule": True}
     compiled = lowered.compile(compiler_options=options)
     return compiled, sched.read(where)
   finally:
-    shutil.rmtree(where, ignore_errors=True)
+    if dump_to is None:
+      shutil.rmtree(where, ignore_errors=True)
