@@ -392,11 +392,16 @@ def test_the_bytes_live_at_the_peak_are_read_from_xlas_dump(compiled, form):
   XLA's peak instruction, each buffer once. They fit in the temp heap
   memory_analysis reports, and hold at least the loss's fp32 logits (32 x
   128 tokens x 2,050 rows a device), live from the forward into the
-  backward; the rest of the heap is what its packing leaves unused."""
+  backward; the rest of the heap is what its packing leaves unused. A dump
+  whose temp heap is not the compile's is refused."""
   from experiments.probes import peak_breakdown
   c, _ = compiled[form, "fp32"]
-  live = peak_breakdown.temp_live_at_peak(DUMPS[form, "fp32"])
-  assert 32 * 128 * 2050 * 4 <= live <= z1.inspect.memory(c)["temp"]
+  temp = z1.inspect.memory(c)["temp"]
+  live = peak_breakdown.temp_live_at_peak(DUMPS[form, "fp32"], temp)
+  assert 32 * 128 * 2050 * 4 <= live <= temp
+  other = "ddp" if form != "ddp" else "train_step"
+  with pytest.raises(ValueError, match="another compile's dump"):
+    peak_breakdown.temp_live_at_peak(DUMPS[other, "fp32"], temp)
 
 
 def test_auto_collectives_follow_the_devices_compiled_for(mesh):

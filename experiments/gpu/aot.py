@@ -255,10 +255,10 @@ def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100",
   with tempfile.TemporaryDirectory(prefix="zero1_aot_") as dump:
     compiled, schedule = gpu.compile(lower(form, name, dtype, mesh, **kw), OPTIONS,
                                      dump_to=dump)
-    temp_live = peak_breakdown.temp_live_at_peak(dump)
+    mem = z1.inspect.memory(compiled)
+    temp_live = peak_breakdown.temp_live_at_peak(dump, mem["temp"])
   s = sched.summary(schedule)
   colls = z1.inspect.hlo_collectives(compiled.as_text())
-  mem = z1.inspect.memory(compiled)
   return {
       "form": form, "model": name, "dtype": dtype, "gpus": gpus, "gpu": kind,
       **({"zero1_kw": kw} if kw else {}),

@@ -68,8 +68,9 @@ def main() -> None:
                     ("jit_grad", lambda: aot.lower("jit_grad", MODEL, DTYPE, mesh))]:
     with tempfile.TemporaryDirectory() as d:
       c, _ = gpu.compile(low(), dict(aot.OPTIONS), dump_to=d)
-      live = peak_breakdown.temp_live_at_peak(d)
-    m = {k: v / 2 ** 20 for k, v in z1.inspect.memory(c).items()}
+      mem = z1.inspect.memory(c)
+      live = peak_breakdown.temp_live_at_peak(d, mem["temp"])
+    m = {k: v / 2 ** 20 for k, v in mem.items()}
     print(f"{name:26} {m['argument']:9,.1f} {m['temp']:7,.1f} {m['peak']:8,.1f} "
           f"{live / 2 ** 20:10,.1f}", flush=True)
 

@@ -95,14 +95,16 @@ def distinct_bytes(values: list[str], placement: dict) -> int:
   return total
 
 
-def temp_live_at_peak(dump: str) -> int:
+def temp_live_at_peak(dump: str, temp_bytes: int | None = None) -> int:
   """The most bytes of XLA's temp heap that values live at one point of the
   schedule occupy (shared buffers counted once), from the dump of one
   compiled module in ``dump``: with ``memory_analysis()``'s argument +
   output - alias, what the step holds at its peak; its temp size less this
   is what the heap's packing leaves unused. (The live-range dump's own
   "peak" counts an argument only until its last read, though its buffer
-  stays allocated.)"""
+  stays allocated.) ``temp_bytes``: the temp size ``memory_analysis()``
+  reports for the compile; a dump whose temp heap differs is another
+  compile's, and raises."""
   def one(suffix):
     hits = [f for f in glob.glob(os.path.join(dump, f"*after_optimizations-{suffix}"))
             if "-clone" not in f]
@@ -110,8 +112,11 @@ def temp_live_at_peak(dump: str) -> int:
       raise ValueError(f"expected one *{suffix} in {dump}, found {hits}")
     return open(hits[0]).read()
   live, assignment = one("live-range.txt"), one("buffer-assignment.txt")
-  temp = {int(a) for a in re.findall(r"^allocation (\d+): [^\n]*preallocated-temp",
-                                     assignment, re.M)}
+  temp = {int(a): int(b) for a, b in re.findall(
+      r"^allocation (\d+): size (\d+), [^\n]*preallocated-temp", assignment, re.M)}
+  if temp_bytes is not None and sum(temp.values()) != temp_bytes:
+    raise ValueError(f"the dump in {dump} has a temp heap of {sum(temp.values())} B, "
+                     f"the compile {temp_bytes} B: another compile's dump")
   where = placement(assignment)
   block = live[live.index("BufferLiveRange:"):]
   spans = [(int(a), int(b), v) for v, a, b in re.findall(
