@@ -1,0 +1,137 @@
+"""Why ``z1.zero1`` after ``jax.value_and_grad`` cannot split its reduce-scatter.
+
+In plain jit with ``jax.value_and_grad``, the gradients' reduce-scatters are
+the partitioner's: ``tx.update`` asks for each leaf's gradient as the
+device's block, and the partitioner sums it into the blocks where the
+backward makes it. XLA's GPU reduce-scatter combiner then merges every one
+whose key matches (reduction, dtype, replica groups) up to its threshold,
+counted in output bytes: at 16 GPUs, all of GPT-2's fp32 gradients are one
+reduce-scatter that waits for the backward's last gradient. zero1's own
+collectives are kept apart by an XLA ``combiner_key`` per group
+(:mod:`zero1_jax.core.order`); this probe shows that key cannot reach the
+partitioner's:
+
+1. ``jax.experimental.xla_metadata.set_xla_metadata`` tags the ops traced
+   in it, but not a sharding constraint (with Shardy, an
+   ``sdy.sharding_constraint``): the lowered module carries no tag there;
+2. compiled for 16 H100s on 2 hosts (the compile-only topology, XLA's cost
+   model), DDP and ``jit_grad`` for GPT-2 fp32, the latter three ways: as it is; with each
+   leaf's gradient constrained to its block under a tag per 64 MiB group
+   (the same program: one reduce-scatter); with XLA's own threshold at 8
+   MiB a device (``xla_gpu_reduce_scatter_combine_threshold_bytes``, a
+   compiler option the user's jit would have to carry), which does split it.
+   Beside each, when the backward's weight-gradient gemms run: XLA
+   schedules them next to the reduce-scatter they feed, after the input
+   gradients, where DDP's run under its per-block all-reduces.
+
+Run: ``python -m experiments.probes.untagged_reduce_scatter`` (needs the
+gpu-aot extra; about a minute).
+"""
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from unittest import mock
+
+from experiments.gpu import aot   # first: it keeps jax off the GPU backend
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import zero1_jax as z1  # noqa: E402
+from zero1_jax.core import collectives as col  # noqa: E402
+from zero1_jax.core import jit_mode  # noqa: E402
+from zero1_jax.core import layout as lay  # noqa: E402
+from zero1_jax.core import order  # noqa: E402
+from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
+
+MODEL, DTYPE, GPUS, GROUP = "gpt2", "fp32", 16, 64 << 20
+
+
+def tags_on_a_constraint() -> tuple[int, int]:
+  """``(tags on the constraint, tags on the multiply)`` in the lowered text
+  of ``x -> constraint(x) * 2`` traced under one ``combiner_key``."""
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices("cpu")[:1])
+
+  def f(x):
+    with order.tagged("probe"):
+      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data"))) * 2
+  lines = jax.jit(f).lower(jnp.ones((4, 3))).as_text().splitlines()
+  tagged = [ln for ln in lines if 'combiner_key = "probe"' in ln]
+  on_constraint = sum("sharding_constraint" in ln or "@Sharding" in ln for ln in tagged)
+  return on_constraint, sum("multiply" in ln for ln in tagged)
+
+
+def _tagged_blocks(grads, g_specs, layout, mesh, where, axis):
+  """jit_mode._as_blocks, each block-entering gradient then constrained to
+  its block under the combiner_key of its 64 MiB group, in tree order."""
+  specs, grads = _AS_BLOCKS(grads, g_specs, layout, mesh, where, axis)
+  s_leaves = layout.treedef.flatten_up_to(specs)
+  g_leaves = layout.treedef.flatten_up_to(grads)
+  group, filled = 0, 0
+  for i, s in enumerate(layout.leaves):
+    if s.kind != lay.SHARD or s.padded_shape != s.shape:
+      continue
+    size = int(np.prod(s.shape)) * jnp.dtype(g_leaves[i].dtype).itemsize
+    if filled and filled + size > GROUP:
+      group, filled = group + 1, 0
+    filled += size
+    with order.tagged(col.REDUCE_KEY.format(group)):
+      g_leaves[i] = jax.lax.with_sharding_constraint(
+          g_leaves[i], NamedSharding(mesh or where, s_leaves[i]))
+  return specs, layout.treedef.unflatten(g_leaves)
+
+
+_AS_BLOCKS = jit_mode._as_blocks
+
+
+def weight_gemms(schedule) -> tuple[float, float]:
+  """When the backward's weight-gradient gemms run (µs): jax transposes a
+  ``dot_general`` into a gemm named ``.../transpose`` for the weight."""
+  ops = [o for o in schedule.ops if o.opcode == "custom-call"
+         and "transpose(jvp" in o.op_name and o.op_name.endswith("/transpose")]
+  return min(o.start for o in ops), max(o.end for o in ops)
+
+
+def compiled(mesh, form: str, tags: bool, options: dict) -> tuple:
+  """``(reduce-scatters, step µs, reduce-scatter µs exposed, weight-gradient
+  gemms (first start, last end) µs, each reduce-scatter's start µs)``."""
+  patch = (mock.patch.object(jit_mode, "_as_blocks", _tagged_blocks) if tags
+           else contextlib.nullcontext())
+  with patch, tempfile.TemporaryDirectory() as d:
+    c, schedule = gpu.compile(aot.lower(form, MODEL, DTYPE, mesh),
+                              {**aot.OPTIONS, **options}, dump_to=d)
+  rs = z1.inspect.hlo_collectives(c.as_text()).get("reduce-scatter")
+  s = sched.summary(schedule)
+  starts = sorted(o.start for o in schedule.ops
+                  if o.name.startswith("reduce-scatter-start"))
+  return (rs.count if rs else 0, s.step_us,
+          s.exposed_by_kind.get("reduce-scatter", 0.0), weight_gemms(schedule),
+          starts)
+
+
+def main() -> None:
+  on_constraint, on_multiply = tags_on_a_constraint()
+  print(f"combiner_key in the lowered module: on the sharding constraint "
+        f"{on_constraint}, on the multiply traced beside it {on_multiply}")
+  mesh = gpu.mesh(GPUS, ("data",), hosts=GPUS // 8)
+  print(f"{MODEL} {DTYPE}, {GPUS} x H100 on {GPUS // 8} hosts (XLA's cost model, "
+        f"µs); W gemms: the weight gradients' gemms, first start to last end")
+  print(f"{'':51} {'RS':>3} {'step':>7} {'RS exposed':>11} {'W gemms':>15}  "
+        f"each RS starts at")
+  for name, form, tags, opts in [
+      ("ddp (all-reduces)", "ddp", False, {}),
+      ("jit_grad", "jit_grad", False, {}),
+      ("jit_grad, blocks constrained under a tag per group", "jit_grad", True, {}),
+      ("jit_grad, XLA's threshold at 8 MiB a device", "jit_grad", False,
+       {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 << 20})]:
+    n, step, exposed, (w0, w1), starts = compiled(mesh, form, tags, opts)
+    print(f"{name:51} {n:3d} {step:7,.0f} {exposed:11,.0f} {w0:7,.0f}-{w1:7,.0f}  "
+          f"{', '.join(f'{t:,.0f}' for t in starts)}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
