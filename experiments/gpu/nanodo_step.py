@@ -1,0 +1,139 @@
+"""google-deepmind/nanodo's own train step, compiled for H100s: optax against zero1.
+
+A real program, not ours: nanodo's ``Trainer.step_fn`` (its ``jax.jit`` of
+``_train_step`` with the shardings ``nn.get_sharding`` derives from the
+abstract state) in its data-parallel mode (``fsdp_enabled=False``), lowered
+on abstract arguments for the compile-only topology, twice: with nanodo's
+optimizer (``optimizer.get_optimizer``: adamw in ``optax.MultiSteps``) and
+with that one line wrapped, ``z1.zero1(get_optimizer(c.opt),
+axis_name="data", mesh=mesh)``. Nothing else of nanodo changes; its data
+pipeline's imports (grain, tfds, sentencepiece) and its logging's (clu) are
+stubbed, as the step reads none of them. The model: GPT-2-small's shape (D
+768, 12 heads and layers, F 3,072, context 1,024, nanodo's 32,100-token
+vocabulary, bf16 compute on fp32 params), 2 sequences a GPU.
+
+Printed per GPU count: XLA's estimated step (its cost model, not a
+measurement), exposed collective time, the collectives, the arguments and
+the peak per GPU from ``memory_analysis()``, and zero1's peak against
+optax's less the state zero1 shards (adamw's moments and MultiSteps'
+accumulated gradients, 12 bytes a param, ``(1 - 1/N)`` of them).
+
+  git clone https://github.com/google-deepmind/nanodo /some/where/nanodo
+  pip install ml_collections          # nanodo's config; gpu-aot extra as aot.py
+  python -m experiments.gpu.nanodo_step --nanodo /some/where/nanodo --gpus 8,16
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import types
+
+from experiments.gpu import aot   # first: it keeps jax off the GPU backend
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import zero1_jax as z1  # noqa: E402
+from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
+
+UNUSED = ("grain", "grain.python", "tensorflow_datasets", "sentencepiece", "clu",
+          "clu.metric_writers", "clu.periodic_actions")
+SHAPE = dict(D=768, H=12, L=1024, N=12, F=3072, fsdp_enabled=False)
+VOCAB, PER_GPU = 32100, 2
+
+
+class _Unused(types.ModuleType):
+  """A module the step never reads: any attribute is an inert class."""
+
+  def __getattr__(self, name: str):
+    if name.startswith("__"):
+      raise AttributeError(name)
+    return type(name, (), {"__init__": lambda self, *a, **k: None})
+
+
+def import_nanodo(path: str):
+  """nanodo's ``train``, ``model_factory``, ``optimizer`` and default config
+  from a checkout at ``path``, its unused pipeline modules stubbed."""
+  for name in UNUSED:
+    sys.modules.setdefault(name, _Unused(name))
+  for name in UNUSED:
+    parent, _, child = name.rpartition(".")
+    if parent:
+      setattr(sys.modules[parent], child, sys.modules[name])
+  sys.path.insert(0, path)
+  from nanodo import model_factory, optimizer, train
+  from nanodo.configs import default
+  return train, model_factory, optimizer, default
+
+
+def lowered(nanodo, gpus: int, zero1: bool):
+  """nanodo's step for ``gpus`` GPUs (8 a host), and its param count."""
+  from flax import linen as nn
+  from flax.training.train_state import TrainState
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  train, model_factory, optimizer, default = nanodo
+  c = default.get_config()
+  c.model.update(**SHAPE)
+  c.batch_size = PER_GPU * gpus
+  mesh = gpu.mesh(gpus, ("data",), hosts=max(1, gpus // 8))
+  model, get_loss_fn = model_factory.get_model_and_loss(c, VOCAB)
+  tx = optimizer.get_optimizer(c.opt)
+  if zero1:
+    tx = z1.zero1(tx, axis_name="data", mesh=mesh)
+
+  def init(rng, inputs):   # nanodo's _init_train_state, abstract
+    return TrainState.create(apply_fn=model.apply,
+                             params=model.init(rng, inputs)["params"], tx=tx)
+  abstract = jax.eval_shape(init, jax.random.PRNGKey(0),
+                            jax.ShapeDtypeStruct((1, c.model.L), jnp.int32))
+  shardings = nn.get_sharding(abstract, mesh)
+  state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nn.meta.unbox(abstract), shardings)
+  trainer = train.Trainer(c=c, state=None, mesh=mesh, shardings=shardings,
+                          get_loss_fn=get_loss_fn)
+  batch = jax.ShapeDtypeStruct((c.batch_size, c.model.L), jnp.int32,
+                               sharding=NamedSharding(mesh, P()))
+  psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
+  return trainer.step_fn.lower(state, batch), psi
+
+
+def measure(nanodo, gpus: int, zero1: bool) -> dict:
+  low, psi = lowered(nanodo, gpus, zero1)
+  with tempfile.TemporaryDirectory() as d:
+    compiled, schedule = gpu.compile(low, dict(aot.OPTIONS), dump_to=d)
+  s = sched.summary(schedule)
+  mem = z1.inspect.memory(compiled)
+  return {"step_us": s.step_us, "exposed_us": s.exposed_us, "psi": psi,
+          "collectives": {k: (v.count, v.bytes)
+                          for k, v in z1.inspect.hlo_collectives(compiled.as_text()).items()},
+          "argument": mem["argument"], "peak": mem["peak"]}
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--nanodo", required=True, help="a checkout of google-deepmind/nanodo")
+  ap.add_argument("--gpus", default="8,16")
+  args = ap.parse_args(argv)
+  nanodo = import_nanodo(args.nanodo)
+  mib = 2 ** 20
+  print("nanodo's train step, data-parallel, GPT-2-small shape; XLA's cost model "
+        "(µs) and memory_analysis (MiB per GPU)")
+  print(f"{'GPUs':>4} {'optimizer':9} {'step':>8} {'/ optax':>8} {'exposed':>8} "
+        f"{'arguments':>10} {'peak':>8} {'line':>8}  collectives (count, MiB)")
+  for n in (int(g) for g in args.gpus.split(",")):
+    base = measure(nanodo, n, zero1=False)
+    ours = measure(nanodo, n, zero1=True)
+    line = base["peak"] - 12 * base["psi"] * (1 - 1 / n)
+    for name, r in (("optax", base), ("zero1", ours)):
+      colls = ", ".join(f"{k} {c} x {b / mib:,.1f}"
+                        for k, (c, b) in sorted(r["collectives"].items()))
+      print(f"{n:4d} {name:9} {r['step_us']:8,.0f} {r['step_us'] / base['step_us']:8.3f} "
+            f"{r['exposed_us']:8,.0f} {r['argument'] / mib:10,.1f} {r['peak'] / mib:8,.1f} "
+            f"{(line / mib if r is ours else float('nan')):8,.1f}  {colls}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
