@@ -44,24 +44,40 @@ SHAPE = dict(D=768, H=12, L=1024, N=12, F=3072, fsdp_enabled=False)
 VOCAB, PER_GPU = 32100, 2
 
 
+class _Inert(type):
+  """A class whose every attribute is itself (``tf.data.Dataset`` in an
+  annotation)."""
+
+  def __getattr__(cls, name: str):
+    if name.startswith("__"):
+      raise AttributeError(name)
+    return cls
+
+
 class _Unused(types.ModuleType):
   """A module the step never reads: any attribute is an inert class."""
 
   def __getattr__(self, name: str):
     if name.startswith("__"):
       raise AttributeError(name)
-    return type(name, (), {"__init__": lambda self, *a, **k: None})
+    return _Inert(name, (), {"__init__": lambda self, *a, **k: None})
+
+
+def stub_unused(names) -> None:
+  """Stands in for modules a program imports but its step never reads
+  (``names`` lists parents before their children)."""
+  for name in names:
+    sys.modules.setdefault(name, _Unused(name))
+  for name in names:
+    parent, _, child = name.rpartition(".")
+    if parent:
+      setattr(sys.modules[parent], child, sys.modules[name])
 
 
 def import_nanodo(path: str):
   """nanodo's ``train``, ``model_factory``, ``optimizer`` and default config
   from a checkout at ``path``, its unused pipeline modules stubbed."""
-  for name in UNUSED:
-    sys.modules.setdefault(name, _Unused(name))
-  for name in UNUSED:
-    parent, _, child = name.rpartition(".")
-    if parent:
-      setattr(sys.modules[parent], child, sys.modules[name])
+  stub_unused(UNUSED)
   sys.path.insert(0, path)
   from nanodo import model_factory, optimizer, train
   from nanodo.configs import default
