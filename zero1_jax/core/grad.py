@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zero1_jax.core import aux as aux_
 from zero1_jax.core import empty_leaves
 from zero1_jax.core import jit_mesh
 from zero1_jax.core import jit_mode as jm
@@ -68,7 +69,8 @@ NOT_ZERO1 = ("z1.value_and_grad(fun, tx): tx must be the transformation "
 def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                    has_aux: bool = False,
                    batch_argnums: Sequence[int] = (1,),
-                   shard_lookups: bool | str = "auto") -> Callable:
+                   shard_lookups: bool | str = "auto",
+                   aux_reduce: str | Callable = aux_.MEAN) -> Callable:
   """``jax.value_and_grad(fun, has_aux=has_aux)`` for ``tx``'s training:
   ``f(params, *args) -> (value, grads)`` (``((value, aux), grads)`` with
   ``has_aux``).
@@ -79,8 +81,10 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     tx: from :func:`zero1_jax.zero1` (small leaves packed into buckets, as
       its update reduces them) or :func:`zero1_jax.zero2` (large leaves
       reduce-scattered alone, as the backward produces them).
-    has_aux: ``fun`` returns ``(loss, aux)``; aux is averaged over the
-      devices, as ``value`` is.
+    has_aux: ``fun`` returns ``(loss, aux)``. Each aux leaf whose leading
+      dim grows with the batch (per example) comes back for the whole batch,
+      as ``jax.value_and_grad``'s, split over the data axis; the others are
+      reduced over the devices by ``aux_reduce`` (:mod:`zero1_jax.core.aux`).
     batch_argnums: positions (in ``(params, *args)``) of the arguments split
       over the data axis on their leading dim: the batch. Other arguments
       (an RNG key, a step) are handed whole to every device.
@@ -92,6 +96,10 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
       waits for the backward's end. The same rows; that gradient summed
       in another order. ``"auto"``: on for a program compiled for GPUs or
       TPUs on one host.
+    aux_reduce: ``"mean"`` (the devices' mean: a mean over the batch, as
+      ``value``), ``"sum"`` (a sum or count over the batch), or a function
+      ``(aux, axis_name) -> aux`` of one device's aux (its per-example leaves
+      None) that reduces with ``jax.lax`` collectives.
 
   Returns:
     ``f``: runs under ``jax.jit`` (or eagerly) with a mesh set by
@@ -112,6 +120,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
   argnums = tuple(int(i) for i in batch_argnums)
   if 0 in argnums:
     raise ValueError("batch_argnums: position 0 is the params")
+  aux_.check_reduce(aux_reduce)
 
   def f(params, *args):
     # What jax.value_and_grad takes besides arrays (an Equinox model's
@@ -126,6 +135,10 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                                   (params,) + args, axis, n, argnums)
     platform = platforms.resolve(where)
     plain = lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux)
+    rows = (aux_.per_example(lambda p, *a: fun(p, *rebuild(a))[1],
+                             (params,) + args,
+                             (params,) + _pieces(args, argnums, n), n, aux_reduce)
+            if has_aux else None)
     lookups = _lookups(shard_lookups, platform, where, layout, plain, params,
                        args, argnums, n)
     # Reduced in the order the backward completes the gradients (core/order.py;
@@ -161,7 +174,8 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
       if lookups:   # the lookups' gradient, summed over every device already
         g, g_tables = g
         g = _add_tables(g, g_tables)
-      aux = None if aux is None else jax.lax.pmean(aux, axis)
+      if has_aux:
+        aux = aux_.reduce(aux, rows, aux_reduce, axis)
       return jax.lax.pmean(loss, axis), aux, g
 
     args = tuple(jax.tree.map(lambda x: _split(x, mesh, where, axis), a)
@@ -174,7 +188,8 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
          for s in layout.leaves])
     loss, aux, grads = empty_leaves.shard_map(
         per_device, mesh=mesh, in_specs=in_specs,
-        out_specs=(P(), P(), g_specs), axis_names={axis},
+        out_specs=(P(), P() if rows is None else aux_.out_specs(rows, axis),
+                   g_specs), axis_names={axis},
         check_vma=False)(params, *args)
     value = (loss, aux) if has_aux else loss
     # tx.update gathers the new weights in the groups the backward reduced
@@ -203,12 +218,18 @@ def _lookups(shard_lookups: bool | str, platform: str, where: Any,
                 and s.padded_shape == s.shape and s.dtype != jnp.float16]
   if not shard_lookups or not candidates:
     return frozenset()
-  local = tuple(jax.tree.map(
+  return lookup.find(plain, params, *_pieces(args, argnums, n),
+                     candidates=candidates)
+
+
+def _pieces(args: tuple, argnums: tuple, n: int) -> tuple:
+  """``args`` as one device sees them, abstract: the batch arguments'
+  leading dims split ``n`` ways."""
+  return tuple(jax.tree.map(
       lambda x, i=i: jax.ShapeDtypeStruct(
           ((jnp.shape(x)[0] // n,) if i + 1 in argnums else jnp.shape(x)[:1])
           + jnp.shape(x)[1:], jnp.result_type(x)), a)
       for i, a in enumerate(args))
-  return lookup.find(plain, params, *local, candidates=candidates)
 
 
 def _add_tables(g: Any, g_tables: dict) -> Any:
@@ -236,12 +257,13 @@ def _split(x, mesh, where, axis: str):
 
 def grad(fun: Callable, tx: Zero1Transformation, *, has_aux: bool = False,
          batch_argnums: Sequence[int] = (1,),
-         shard_lookups: bool | str = "auto") -> Callable:
+         shard_lookups: bool | str = "auto",
+         aux_reduce: str | Callable = aux_.MEAN) -> Callable:
   """``jax.grad`` for ``tx``'s training: ``f(params, *args) -> grads`` (or
   ``(grads, aux)``), the gradients reduce-scattered in the backward, as
   :func:`value_and_grad`."""
   vg = value_and_grad(fun, tx, has_aux=has_aux, batch_argnums=batch_argnums,
-                      shard_lookups=shard_lookups)
+                      shard_lookups=shard_lookups, aux_reduce=aux_reduce)
 
   def f(params, *args):
     value, grads = vg(params, *args)

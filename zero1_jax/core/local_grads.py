@@ -122,7 +122,9 @@ def local_grads(s: Any, params, scale, batch, order=None, tables=None):
   grads, loss, aux = carry
   grads, g_tables = grads if tables else (grads, {})
   metrics = {"loss": jax.lax.pmean(loss / accum, s.axis)}
-  if s.has_aux:
+  if s.has_aux and s.aux_reduce == "sum":
+    metrics["aux"] = jax.lax.psum(aux, s.axis)
+  elif s.has_aux:
     metrics["aux"] = jax.lax.pmean(jax.tree.map(lambda a: a / accum, aux),
                                    s.axis)
   return grads, g_tables, metrics

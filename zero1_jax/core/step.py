@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero1_jax.core import aux as aux_
 from zero1_jax.core import checks as chk
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import empty_leaves
@@ -120,7 +121,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
                mesh: jax.sharding.Mesh, *, grad_accum_steps: int = 1,
                has_aux: bool = False, donate: bool = True,
                shard_params: bool | str = "auto",
-               shard_lookups: bool | str = "auto") -> Callable:
+               shard_lookups: bool | str = "auto",
+               aux_reduce: str = aux_.MEAN) -> Callable:
   """A jitted ZeRO-1 (or ZeRO-2) step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
   Args:
@@ -134,8 +136,9 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       and reduced once; stage 2 (:func:`zero1_jax.zero2`): each micro-batch's
       gradients are reduce-scattered in its backward pass and the 1/N shards
       summed.
-    has_aux: ``aux`` is averaged over micro-batches and devices and returned
-      as ``metrics["aux"]``.
+    has_aux: ``aux`` is reduced over micro-batches and devices by
+      ``aux_reduce`` and returned as ``metrics["aux"]``; a leaf with one
+      row per example is refused (:mod:`.aux`).
     donate: donate params and opt_state (the update happens in place).
     shard_params: True: keep the params between steps as each device's
       updated shard (:func:`.param_storage.stored_specs`: the same values,
@@ -155,6 +158,8 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       order. ``"auto"``: as ``shard_params`` resolves, where the mesh's
       devices are on one host (across hosts the rows' all-to-all crosses
       the network to every peer).
+    aux_reduce: ``"mean"`` (a mean over the batch, as the loss) or
+      ``"sum"`` (a sum or a count over the batch).
 
   Returns:
     The ``jax.jit`` function (``.lower(...).compile()`` works), behind a thin
@@ -165,10 +170,13 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
     clipping), ``skipped`` (overflow: nothing changed), ``loss_scale``.
   """
   s = _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux, shard_params,
-                shard_lookups)
+                shard_lookups, aux_reduce)
   storage = Storage(tx, mesh, s.n, s.shard_params)
 
   def step(params, opt_state, batch, pa):
+    if s.has_aux:
+      aux_.check_step(lambda p, b: chk.split_loss(s.loss_fn(p, b), True)[1],
+                      params, batch, s.n * s.accum, s.aux_reduce)
     if pa is None:
       return _step_1d(s, storage, params, opt_state, batch)
     return _step_2d(s, params, opt_state, batch, pa)
@@ -202,10 +210,11 @@ class _Settings(NamedTuple):
   shard_params: bool   # params kept as shards between steps
   lookups: bool        # row lookups of stored tables read their blocks
   across_hosts: bool   # the data axis spans several GPU hosts
+  aux_reduce: str      # 'mean' or 'sum' over micro-batches and devices
 
 
 def _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux,
-              shard_params, shard_lookups="auto") -> _Settings:
+              shard_params, shard_lookups="auto", aux_reduce=aux_.MEAN) -> _Settings:
   n = zsh.axis_size(tx, mesh, "z1.train_step")
   accum = int(grad_accum_steps)
   if accum < 1:
@@ -230,7 +239,8 @@ def _settings(loss_fn, tx, mesh, grad_accum_steps, has_aux,
                      "stored shards: it needs shard_params=True")
   return _Settings(loss_fn, tx, mesh, n, tx.config.axis_name, accum, has_aux,
                    platform, stage2, shard_params, shard_lookups,
-                   platform == "gpu" and not platforms.one_host(mesh))
+                   platform == "gpu" and not platforms.one_host(mesh),
+                   aux_.check_reduce(aux_reduce, functions=False))
 
 
 def _with_info(s: _Settings, metrics, info):
