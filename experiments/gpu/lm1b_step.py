@@ -22,6 +22,10 @@ shards, ``(1 - 1/N)`` of them.
   git clone https://github.com/google/flax /some/where/flax
   pip install ml_collections          # lm1b's config; gpu-aot extra as aot.py
   python -m experiments.gpu.lm1b_step --flax /some/where/flax --gpus 8,16
+
+``--zero1-only``: a checkout whose ``train_step`` was changed to call
+``z1.value_and_grad`` (its ``loss_fn`` taking ``inputs`` and ``weights`` as
+arguments), which takes zero1's transformation only.
 """
 from __future__ import annotations
 
@@ -126,6 +130,9 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--flax", required=True, help="a checkout of google/flax")
   ap.add_argument("--gpus", default="8,16")
+  ap.add_argument("--zero1-only", action="store_true",
+                  help="the zero1 step alone (a checkout whose train_step "
+                       "calls z1.value_and_grad, which takes zero1's tx only)")
   args = ap.parse_args(argv)
   lm1b = import_lm1b(args.flax)
   mib = 2 ** 20
@@ -133,16 +140,20 @@ def main(argv=None) -> None:
         "model (µs) and memory_analysis (MiB per GPU)")
   print(f"{'GPUs':>4} {'optimizer':9} {'step':>8} {'/ optax':>8} {'exposed':>8} "
         f"{'arguments':>10} {'peak':>8} {'line':>8}  collectives (count, MiB)")
+  nan = float("nan")
   for n in (int(g) for g in args.gpus.split(",")):
-    base = measure(lm1b, n, zero1=False)
+    base = None if args.zero1_only else measure(lm1b, n, zero1=False)
     ours = measure(lm1b, n, zero1=True)
-    line = base["peak"] - 8 * base["psi"] * (1 - 1 / n)
+    line = nan if base is None else base["peak"] - 8 * base["psi"] * (1 - 1 / n)
     for name, r in (("optax", base), ("zero1", ours)):
+      if r is None:
+        continue
       colls = ", ".join(f"{k} {c} x {b / mib:,.1f}"
                         for k, (c, b) in sorted(r["collectives"].items()))
-      print(f"{n:4d} {name:9} {r['step_us']:8,.0f} {r['step_us'] / base['step_us']:8.3f} "
+      ratio = nan if base is None else r["step_us"] / base["step_us"]
+      print(f"{n:4d} {name:9} {r['step_us']:8,.0f} {ratio:8.3f} "
             f"{r['exposed_us']:8,.0f} {r['argument'] / mib:10,.1f} {r['peak'] / mib:8,.1f} "
-            f"{(line / mib if r is ours else float('nan')):8,.1f}  {colls}", flush=True)
+            f"{(line / mib if r is ours else nan):8,.1f}  {colls}", flush=True)
 
 
 if __name__ == "__main__":
