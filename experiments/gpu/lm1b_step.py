@@ -15,7 +15,8 @@ shardings come from lm1b's own ``utils`` (``nn.get_partition_spec`` of
 logging's imports (tensorflow, tfds, clu, sentencepiece) are stubbed, as the
 step reads none of them.
 
-Printed per GPU count as experiments/gpu/nanodo_step.py prints it; the
+Printed per GPU count as experiments/gpu/nanodo_step.py prints it
+(experiments/gpu/real_steps.py); the
 line: optax's peak less the 8 bytes a param of adamw's moments zero1
 shards, ``(1 - 1/N)`` of them.
 
@@ -34,9 +35,8 @@ import functools
 import importlib
 import os
 import sys
-import tempfile
 
-from experiments.gpu import aot   # first: it keeps jax off the GPU backend
+from experiments.gpu import real_steps   # first: it keeps jax off the GPU backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -44,8 +44,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero1_jax as z1  # noqa: E402
-from experiments.gpu.nanodo_step import stub_unused  # noqa: E402
-from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
+from experiments.gpu.real_steps import stub_unused  # noqa: E402
+from zero1_jax.inspect import gpu  # noqa: E402
 
 UNUSED = ("tensorflow", "tensorflow_datasets", "tensorflow_text", "sentencepiece",
           "clu", "clu.metric_writers", "clu.periodic_actions", "clu.deterministic_data")
@@ -114,18 +114,6 @@ def lowered(lm1b, gpus: int, zero1: bool):
                       jax.ShapeDtypeStruct((2,), jnp.uint32)), psi
 
 
-def measure(lm1b, gpus: int, zero1: bool) -> dict:
-  low, psi = lowered(lm1b, gpus, zero1)
-  with tempfile.TemporaryDirectory() as d:
-    compiled, schedule = gpu.compile(low, dict(aot.OPTIONS), dump_to=d)
-  s = sched.summary(schedule)
-  mem = z1.inspect.memory(compiled)
-  return {"step_us": s.step_us, "exposed_us": s.exposed_us, "psi": psi,
-          "collectives": {k: (v.count, v.bytes)
-                          for k, v in z1.inspect.hlo_collectives(compiled.as_text()).items()},
-          "argument": mem["argument"], "peak": mem["peak"]}
-
-
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--flax", required=True, help="a checkout of google/flax")
@@ -134,26 +122,10 @@ def main(argv=None) -> None:
                   help="the zero1 step alone (a checkout whose train_step "
                        "calls z1.value_and_grad, which takes zero1's tx only)")
   args = ap.parse_args(argv)
-  lm1b = import_lm1b(args.flax)
-  mib = 2 ** 20
-  print("flax lm1b's train step, data-parallel, its default config; XLA's cost "
-        "model (µs) and memory_analysis (MiB per GPU)")
-  print(f"{'GPUs':>4} {'optimizer':9} {'step':>8} {'/ optax':>8} {'exposed':>8} "
-        f"{'arguments':>10} {'peak':>8} {'line':>8}  collectives (count, MiB)")
-  nan = float("nan")
-  for n in (int(g) for g in args.gpus.split(",")):
-    base = None if args.zero1_only else measure(lm1b, n, zero1=False)
-    ours = measure(lm1b, n, zero1=True)
-    line = nan if base is None else base["peak"] - 8 * base["psi"] * (1 - 1 / n)
-    for name, r in (("optax", base), ("zero1", ours)):
-      if r is None:
-        continue
-      colls = ", ".join(f"{k} {c} x {b / mib:,.1f}"
-                        for k, (c, b) in sorted(r["collectives"].items()))
-      ratio = nan if base is None else r["step_us"] / base["step_us"]
-      print(f"{n:4d} {name:9} {r['step_us']:8,.0f} {ratio:8.3f} "
-            f"{r['exposed_us']:8,.0f} {r['argument'] / mib:10,.1f} {r['peak'] / mib:8,.1f} "
-            f"{(line / mib if r is ours else nan):8,.1f}  {colls}", flush=True)
+  real_steps.table("flax lm1b's train step, data-parallel, its default config",
+                   lowered, import_lm1b(args.flax),
+                   [int(g) for g in args.gpus.split(",")], state_bytes=8,
+                   zero1_only=args.zero1_only)
 
 
 if __name__ == "__main__":

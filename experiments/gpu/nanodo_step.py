@@ -26,52 +26,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-import types
 
-from experiments.gpu import aot   # first: it keeps jax off the GPU backend
+from experiments.gpu import real_steps   # first: it keeps jax off the GPU backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import zero1_jax as z1  # noqa: E402
-from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
+from experiments.gpu.real_steps import stub_unused  # noqa: E402
+from zero1_jax.inspect import gpu  # noqa: E402
 
 UNUSED = ("grain", "grain.python", "tensorflow_datasets", "sentencepiece", "clu",
           "clu.metric_writers", "clu.periodic_actions")
 SHAPE = dict(D=768, H=12, L=1024, N=12, F=3072, fsdp_enabled=False)
 VOCAB, PER_GPU = 32100, 2
-
-
-class _Inert(type):
-  """A class whose every attribute is itself (``tf.data.Dataset`` in an
-  annotation)."""
-
-  def __getattr__(cls, name: str):
-    if name.startswith("__"):
-      raise AttributeError(name)
-    return cls
-
-
-class _Unused(types.ModuleType):
-  """A module the step never reads: any attribute is an inert class."""
-
-  def __getattr__(self, name: str):
-    if name.startswith("__"):
-      raise AttributeError(name)
-    return _Inert(name, (), {"__init__": lambda self, *a, **k: None})
-
-
-def stub_unused(names) -> None:
-  """Stands in for modules a program imports but its step never reads
-  (``names`` lists parents before their children)."""
-  for name in names:
-    sys.modules.setdefault(name, _Unused(name))
-  for name in names:
-    parent, _, child = name.rpartition(".")
-    if parent:
-      setattr(sys.modules[parent], child, sys.modules[name])
 
 
 def import_nanodo(path: str):
@@ -116,39 +85,14 @@ def lowered(nanodo, gpus: int, zero1: bool):
   return trainer.step_fn.lower(state, batch), psi
 
 
-def measure(nanodo, gpus: int, zero1: bool) -> dict:
-  low, psi = lowered(nanodo, gpus, zero1)
-  with tempfile.TemporaryDirectory() as d:
-    compiled, schedule = gpu.compile(low, dict(aot.OPTIONS), dump_to=d)
-  s = sched.summary(schedule)
-  mem = z1.inspect.memory(compiled)
-  return {"step_us": s.step_us, "exposed_us": s.exposed_us, "psi": psi,
-          "collectives": {k: (v.count, v.bytes)
-                          for k, v in z1.inspect.hlo_collectives(compiled.as_text()).items()},
-          "argument": mem["argument"], "peak": mem["peak"]}
-
-
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--nanodo", required=True, help="a checkout of google-deepmind/nanodo")
   ap.add_argument("--gpus", default="8,16")
   args = ap.parse_args(argv)
-  nanodo = import_nanodo(args.nanodo)
-  mib = 2 ** 20
-  print("nanodo's train step, data-parallel, GPT-2-small shape; XLA's cost model "
-        "(µs) and memory_analysis (MiB per GPU)")
-  print(f"{'GPUs':>4} {'optimizer':9} {'step':>8} {'/ optax':>8} {'exposed':>8} "
-        f"{'arguments':>10} {'peak':>8} {'line':>8}  collectives (count, MiB)")
-  for n in (int(g) for g in args.gpus.split(",")):
-    base = measure(nanodo, n, zero1=False)
-    ours = measure(nanodo, n, zero1=True)
-    line = base["peak"] - 12 * base["psi"] * (1 - 1 / n)
-    for name, r in (("optax", base), ("zero1", ours)):
-      colls = ", ".join(f"{k} {c} x {b / mib:,.1f}"
-                        for k, (c, b) in sorted(r["collectives"].items()))
-      print(f"{n:4d} {name:9} {r['step_us']:8,.0f} {r['step_us'] / base['step_us']:8.3f} "
-            f"{r['exposed_us']:8,.0f} {r['argument'] / mib:10,.1f} {r['peak'] / mib:8,.1f} "
-            f"{(line / mib if r is ours else float('nan')):8,.1f}  {colls}", flush=True)
+  real_steps.table("nanodo's train step, data-parallel, GPT-2-small shape",
+                   lowered, import_nanodo(args.nanodo),
+                   [int(g) for g in args.gpus.split(",")], state_bytes=12)
 
 
 if __name__ == "__main__":
