@@ -109,9 +109,14 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
       extra_args, shards_in, params_given)
   if not params_given:
     params_free.check_u(pairs, p_leaves, layout, cfg.master_dtype)
-  # 4. Gather the new weights (or optax's updates) in the param dtypes.
+  # 4. Gather the new weights (or optax's updates) in the param dtypes; on
+  # GPUs, optax's updates in the order the forward reads the leaves, each
+  # group after the gradients of the one before it (gather.waits).
+  ordered = (as_updates and gather_groups is None
+             and platform not in (None, "cpu"))
   out = gather(pairs, p_leaves, layout, plan.gather_buckets, cfg.axis_name,
-               cfg.master_dtype, as_updates)
+               cfg.master_dtype, as_updates,
+               after_reduced=sums if ordered else None)
   return (layout.treedef.unflatten(out), new_state,
           StepInfo(g.norm, g.skipped, scale))
 

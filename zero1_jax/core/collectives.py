@@ -254,7 +254,9 @@ def _gather_leaf(shard: jax.Array, spec: LeafSpec, axis_name: str) -> jax.Array:
 
 def all_gather(shards: dict[int, jax.Array], layout: Layout,
                buckets: Sequence[Bucket], axis_name: str,
-               copy_out: bool = False) -> dict[int, jax.Array]:
+               copy_out: bool = False,
+               after: dict[int, Sequence[jax.Array]] | None = None
+               ) -> dict[int, jax.Array]:
   """Rebuilds full leaves from every device's shard; one collective a bucket.
 
   ``shards[i]`` must already be in the dtype its bucket travels in. The result
@@ -264,19 +266,23 @@ def all_gather(shards: dict[int, jax.Array], layout: Layout,
   the bucket dies at once; otherwise XLA fuses the slices into the layers
   that read them and keeps buckets live into the backward (BERT-base fp32's
   step-start gathers on 16 H100s: two 64 MiB buckets live at the peak).
+  ``after``: {bucket index: arrays} the bucket's gather waits for (through
+  an ``optimization_barrier``; :func:`zero1_jax.core.gather.waits`).
   """
   n = layout.num_shards
   cols: dict[int, list[jax.Array]] = {}
   out = {}
-  for b in buckets:
+  for k, b in enumerate(buckets):
     i = b.whole_leaf(layout)
     if i is not None:
+      x = _waiting(shards[i], (after or {}).get(k))
       with ordering.tagged(GATHER_KEY.format(b.group)):
-        out[i] = _gather_leaf(shards[i], layout.leaves[i], axis_name)
+        out[i] = _gather_leaf(x, layout.leaves[i], axis_name)
       continue
     parts = [shards[s.leaf].reshape(-1)[s.start:s.start + s.length]
              for s in b.segments]
     buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    buf = _waiting(buf, (after or {}).get(k))
     with ordering.tagged(GATHER_KEY.format(b.group)):
       full = jax.lax.all_gather(buf, axis_name, tiled=True, to="invarying")
     full = full.reshape(n, -1)
@@ -290,6 +296,11 @@ def all_gather(shards: dict[int, jax.Array], layout: Layout,
     if copy_out:
       out[i] = jax.lax.optimization_barrier(out[i])
   return out
+
+
+def _waiting(x: jax.Array, on: Sequence[jax.Array] | None) -> jax.Array:
+  """``x``, available only once every array in ``on`` is."""
+  return jax.lax.optimization_barrier((x, list(on)))[0] if on else x
 
 
 def psum_replicated(grads: Sequence[jax.Array | None], layout: Layout,
