@@ -39,10 +39,13 @@ def waits(buckets: Sequence[lay.Bucket], reduced: dict[int, jax.Array]
   ``params``), and the backward then waits for this group's gradients to
   be reduced, updated and gathered: flax's lm1b on 8 H100s stalled 0.4 ms
   a step so (XLA's cost model, ``experiments/gpu/lm1b_step.py``).
+  ``z1.value_and_grad``'s gathers, in the order its hooks reduced, do not
+  wait so: the same rule there (each group after the next one's gradients)
+  took lm1b's one such fusion, at the backward's last layer, off its path
+  and cost 14 µs, and BERT-base fp32 52 (10,406 µs a step against 10,354).
 
   Example:
     >>> import numpy as np
-    >>> l = lay.plan([np.zeros(8), np.zeros(8)], 8)
     >>> b = (lay.Bucket(np.dtype("f4"), (lay.Segment(0, 0, 1),), 0),
     ...      lay.Bucket(np.dtype("f4"), (lay.Segment(1, 0, 1),), 1))
     >>> {k: len(v) for k, v in waits(b, {0: np.ones(1), 1: np.ones(1)}).items()}
