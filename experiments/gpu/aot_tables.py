@@ -24,7 +24,8 @@ def table(rows: list[dict]) -> str:
     rs = {r["form"]: r for r in rows if (r["model"], r["dtype"], r["gpus"]) == (m, dt, g)}
     floor, ddp = rs.get("floor"), rs.get("ddp")
     kind = next(iter(rs.values())).get("gpu", "h100").upper()
-    out += [f"\n**{m}, {dt} params, {g} x {kind}** (XLA's cost model, µs)\n",
+    what = "fp32 params, bf16 compute" if dt == "mixed" else f"{dt} params"
+    out += [f"\n**{m}, {what}, {g} x {kind}** (XLA's cost model, µs)\n",
             "| form | step | / DDP | above floor | / DDP's | exposed comm | "
             "reduce-scatter + all-reduce + all-gather MiB | peak MiB |",
             "|---|---|---|---|---|---|---|---|"]
@@ -48,11 +49,11 @@ def table(rows: list[dict]) -> str:
 def memory_line(row: dict, ddp: dict, params: int, key: str = "peak_bytes") -> float:
   """The peak ``row``'s form should not pass (bytes a device): DDP's peak
   less the optimizer state ZeRO-1 shards away (``params`` x 8 bytes x
-  (1 - 1/N) in fp32, two moments; x 12 with bf16 params, whose DDP keeps
+  (1 - 1/N) with fp32 params, two moments; x 12 with bf16 params, whose DDP keeps
   an fp32 master too), plus the param shard the forms that own the step
   keep (``params`` x 4 or 2 bytes / N). ``key="live_peak_bytes"``: the same
   line for the bytes live at the peak (without the heap's unused gaps)."""
-  n, fp32 = row["gpus"], row["dtype"] == "fp32"
+  n, fp32 = row["gpus"], row["dtype"] != "bf16"   # "mixed": fp32 params
   saved = (8 if fp32 else 12) * params * (1 - 1 / n)
   kept = (4 if fp32 else 2) * params / n if row["form"] in KEEP_SHARD else 0
   return ddp[key] - saved + kept
