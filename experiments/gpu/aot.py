@@ -295,12 +295,14 @@ def main(argv=None) -> None:
                   help="only write the tables of these gpu_aot.json files (merged; a later "
                        "file's row replaces an earlier one's)")
   ap.add_argument("--zero1", default="",
-                  help="KEY=INT,... more keywords for the zero1 forms, e.g. "
-                       "gather_bucket_bytes=33554432 (the engine takes the two bucket sizes)")
+                  help="KEY=VALUE,... more keywords for the zero1 forms (integers, or a "
+                       "dtype's name), e.g. gather_bucket_bytes=33554432 or "
+                       "reduce_dtype=bfloat16 (the engine takes the two bucket sizes)")
   ap.add_argument("--lines", action="store_true",
                   help="also print each zero1 form's peak against DDP's less the state it saves")
   a = ap.parse_args(argv)
-  zero1_kw = {k: int(v) for k, v in (kv.split("=") for kv in a.zero1.split(",") if kv)}
+  zero1_kw = {k: int(v) if v.isdigit() else v
+              for k, v in (kv.split("=") for kv in a.zero1.split(",") if kv)}
   rows = []
   if a.tables is not None:   # a later file's row replaces an earlier one's
     merged = {}
