@@ -41,6 +41,7 @@ from zero1_jax.core import empty_leaves
 from zero1_jax.core import layout as lay
 from zero1_jax.core import local_grads as lg
 from zero1_jax.core import lookup
+from zero1_jax.core import narrow as narrowing
 from zero1_jax.core import one_device
 from zero1_jax.core import order as ordering
 from zero1_jax.core import param_axes as pax
@@ -145,7 +146,10 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       1/N of them per device) and gather them at the start of the next step, where the
       gathers run under the forward pass; False: gather them at the end of
       each step and return them replicated (the gathers then run under
-      nothing). ``"auto"``: True where collectives run beside compute (GPU,
+      nothing). A stored leaf the loss reads only cast to a narrower
+      dtype (fp32 params computing in bf16) is gathered in that dtype and
+      widened back (:mod:`.narrow`): the values the loss's cast makes, for
+      half the bytes. ``"auto"``: True where collectives run beside compute (GPU,
       TPU), False on CPU, which runs them in turn (nothing to gain, and the
       CPU programs stay those the tests pin). On a mesh with model axes the
       params are returned as they came.
@@ -281,15 +285,29 @@ def _lookups(s: _Settings, params, batch, keep) -> frozenset[int]:
                      params, mb, candidates=candidates)
 
 
+def _narrow(s: _Settings, params, batch, keep, lookups) -> dict:
+  """{stored leaf: dtype} the loss reads only cast to that narrower dtype
+  (:mod:`.narrow`): their gathers travel in it."""
+  if not keep:
+    return {}
+  mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (x.shape[1] // s.n,) + x.shape[2:], x.dtype), batch)
+  return narrowing.narrow_reads(
+      lambda p, b: chk.split_loss(s.loss_fn(p, b), s.has_aux)[0], params, mb,
+      candidates=keep, lookups=lookups)
+
+
 def _per_device(s: _Settings, storage: Storage, params,
-                opt_state: Zero1State, batch, full, keep, lookups, order):
-  """One step on one device (1-D mesh): stored shards gathered, local
-  gradients (row lookups of stored tables from their blocks), ``tx.apply``
-  (the ``keep`` leaves returned as shards)."""
+                opt_state: Zero1State, batch, full, keep, lookups, order,
+                narrow=None):
+  """One step on one device (1-D mesh): stored shards gathered (``narrow``
+  ones in the dtype the loss reads them in), local gradients (row lookups
+  of stored tables from their blocks), ``tx.apply`` (the ``keep`` leaves
+  returned as shards)."""
   blocks = {}
   if keep:   # the stored shards, gathered in the order the forward reads them
     params, blocks = storage.gather(params, full, order, keep, s.platform,
-                                    s.across_hosts)
+                                    s.across_hosts, narrow)
   grads, g_tables, metrics = lg.local_grads(
       s, params, opt_state.loss_scale.scale, batch, order,
       {i: blocks[i] for i in lookups})
@@ -314,9 +332,10 @@ def _step_1d(s: _Settings, storage: Storage, params, opt_state, batch):
   p_specs = stored_specs(s.tx, full, s.n) if keep else rep
   lookups = _lookups(s, full, batch, keep)
   order = _read_order(s, full, batch, lookups)
+  narrow = _narrow(s, full, batch, keep, lookups)
   f = _shard_map(
       lambda p, st, b: _per_device(s, storage, p, st, b, full, keep, lookups,
-                                   order),
+                                   order, narrow),
       s.mesh, (p_specs, specs, b_specs), (p_specs, specs, P()))
   return f(params, opt_state, batch)
 
