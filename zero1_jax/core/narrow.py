@@ -100,9 +100,10 @@ def narrow_reads(fn: Callable, params: Any, *args: Any,
       leaves, *args)
   out = {}
   for i, var in enumerate(closed.jaxpr.invars[:len(leaves)]):
-    dtype = np.dtype(leaves[i].dtype)
-    if (candidates is not None and i not in candidates) or not jnp.issubdtype(
-        dtype, jnp.floating):
+    if candidates is not None and i not in candidates:
+      continue
+    dtype = np.dtype(jnp.result_type(leaves[i]))
+    if not jnp.issubdtype(dtype, jnp.floating):
       continue
     found = _reads(closed.jaxpr, var, dtype, i in lookups)
     if found is not None and len(found) == 1:
