@@ -103,6 +103,14 @@ def test_a_row_lookup_of_a_table_read_from_its_shard_is_no_read():
   ids = jnp.zeros((2,), jnp.int32)
   assert narrow.narrow_reads(loss, p, ids) == {}
   assert narrow.narrow_reads(loss, p, ids, lookups={0}) == {0: jnp.dtype(BF16)}
+  jitted = lambda p, ids: loss({"emb": p["emb"]}, ids) + jnp.sum(
+      jax.jit(lambda e: e[ids])(p["emb"]))
+  assert narrow.narrow_reads(jitted, p, ids, lookups={0}) == {0: jnp.dtype(BF16)}
+  # The rewrite does not serve a lookup inside jax.checkpoint: it reads the
+  # whole leaf in fp32.
+  remat = lambda p, ids: loss(p, ids) + jnp.sum(
+      jax.checkpoint(lambda e: e[ids])(p["emb"]))
+  assert narrow.narrow_reads(remat, p, ids, lookups={0}) == {}
 
 
 def test_returned_or_unread_leaves_are_not_narrow():

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable
 import jax
 from jax.extend import core as jex_core
 
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
+CALLS = ("pjit", "jit", "closed_call", "core_call")   # calls the rewrite follows
 
 
 def _is_literal(v) -> bool:
@@ -74,7 +74,7 @@ def is_row_lookup(eqn) -> bool:
 
 def _call_jaxpr(eqn):
   """The closed jaxpr of a call equation the rewrite follows, else None."""
-  if eqn.primitive.name not in _CALLS:
+  if eqn.primitive.name not in CALLS:
     return None
   sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   if sub is None:

@@ -14,7 +14,8 @@ a shard_map, a leaf the loss returns) is gathered in its own dtype.
 :func:`narrow_reads` finds them from the loss's jaxpr, following jitted
 calls, ``jax.checkpoint`` and ops that only move values (slices,
 reshapes, transposes, broadcasts); a row lookup served from the stored shard
-(:mod:`.lookup`) is no read of the whole leaf.
+(:mod:`.lookup`; not inside ``jax.checkpoint``, which its rewrite leaves as
+it is) is no read of the whole leaf.
 
 Example:
   >>> import jax.numpy as jnp
@@ -78,7 +79,10 @@ def _reads(jaxpr, var, dtype: np.dtype, lookup_leaf: bool) -> set | None:
         found |= inner
       elif name in _CALLS and _body(eqn) is not None and len(
           _body(eqn).invars) == len(eqn.invars):
-        inner = _reads(_body(eqn), _body(eqn).invars[k], dtype, lookup_leaf)
+        # lookup.rewrite serves row lookups inside the calls it follows
+        # (not jax.checkpoint's): elsewhere they read the whole leaf.
+        inner = _reads(_body(eqn), _body(eqn).invars[k], dtype,
+                       lookup_leaf and name in lookup.CALLS)
         if inner is None:
           return None
         found |= inner
