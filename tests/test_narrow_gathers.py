@@ -57,10 +57,11 @@ def batches(k=3, rows=32):
            "y": r.normal(size=(rows, 8)).astype(np.float32)} for _ in range(k)]
 
 
-def run(make, n, sharded, loss=mixed_loss):
-  tx = make(optax.adam(1e-2), axis_name="data")
+def run(make, n, sharded, loss=mixed_loss, accum=1, **kw):
+  tx = make(optax.adam(1e-2), axis_name="data", **kw)
   p, s = z1.init(tx, mixed_params(), mesh(n))
-  step = z1.train_step(loss, tx, mesh(n), shard_params=sharded)
+  step = z1.train_step(loss, tx, mesh(n), shard_params=sharded,
+                       grad_accum_steps=accum)
   ms = []
   for b in batches():
     p, s, m = step(p, s, b)
@@ -138,23 +139,27 @@ def _narrowing(monkeypatch, rule):
                       lambda *a, candidates, **k: rule(candidates))
 
 
-@pytest.mark.parametrize("make,n", [(z1.zero1, 8), (z1.zero2, 4)],
-                         ids=["zero1-8", "zero2-4"])
-def test_bitwise_the_step_of_fp32_gathers_with_half_their_bytes(make, n, monkeypatch):
-  got = run(make, n, True)
+@pytest.mark.parametrize("make,n,accum,kw", [
+    (z1.zero1, 8, 1, {}), (z1.zero2, 4, 1, {}),
+    (z1.zero1, 4, 2, {"max_grad_norm": 0.5})],
+    ids=["zero1-8", "zero2-4", "zero1-4-accum2-clip"])
+def test_bitwise_the_step_of_fp32_gathers_with_half_their_bytes(make, n, accum, kw,
+                                                               monkeypatch):
+  run_ = lambda: run(make, n, True, accum=accum, **kw)
+  got = run_()
   g = _gathered(got[3], got[0], got[1], batches(1)[0])
   # w1, w2, emb in bf16; mix and scale in fp32 (a bucket padded to N).
   assert g.get("bf16", 0) >= (16 + 8 + 9) * 32
   assert 16 <= g.get("f32", 0) < 16 + 8 * n
   with monkeypatch.context() as m:   # every stored leaf gathered as it is
     _narrowing(m, lambda candidates: {})
-    want = run(make, n, True)
+    want = run_()
   assert_equal(got[0], want[0], "params ")
   assert_equal(got[1], want[1], "state ")
   assert_equal(got[2], want[2], "metrics ")
   # Planted: every stored leaf gathered in bf16, mix and scale rounded.
   _narrowing(monkeypatch, lambda candidates: {i: jnp.dtype(BF16)
                                               for i in candidates})
-  bad = run(make, n, True)
+  bad = run_()
   with pytest.raises(AssertionError):
     assert_equal(bad[0], want[0], "params ")
