@@ -57,11 +57,11 @@ def batches(k=3, rows=32):
            "y": r.normal(size=(rows, 8)).astype(np.float32)} for _ in range(k)]
 
 
-def run(make, n, sharded, loss=mixed_loss, accum=1, **kw):
+def run(make, n, sharded, loss=mixed_loss, accum=1, lookups="auto", **kw):
   tx = make(optax.adam(1e-2), axis_name="data", **kw)
   p, s = z1.init(tx, mixed_params(), mesh(n))
   step = z1.train_step(loss, tx, mesh(n), shard_params=sharded,
-                       grad_accum_steps=accum)
+                       grad_accum_steps=accum, shard_lookups=lookups)
   ms = []
   for b in batches():
     p, s, m = step(p, s, b)
@@ -104,6 +104,9 @@ def test_a_row_lookup_of_a_table_read_from_its_shard_is_no_read():
   ids = jnp.zeros((2,), jnp.int32)
   assert narrow.narrow_reads(loss, p, ids) == {}
   assert narrow.narrow_reads(loss, p, ids, lookups={0}) == {0: jnp.dtype(BF16)}
+  # Rows looked up from the whole leaf, then cast: the cast's values.
+  cast_rows = lambda p, ids: jnp.sum(p["emb"][ids].astype(BF16) @ p["emb"].astype(BF16).T)
+  assert narrow.narrow_reads(cast_rows, p, ids) == {0: jnp.dtype(BF16)}
   jitted = lambda p, ids: loss({"emb": p["emb"]}, ids) + jnp.sum(
       jax.jit(lambda e: e[ids])(p["emb"]))
   assert narrow.narrow_reads(jitted, p, ids, lookups={0}) == {0: jnp.dtype(BF16)}
@@ -141,8 +144,9 @@ def _narrowing(monkeypatch, rule):
 
 @pytest.mark.parametrize("make,n,accum,kw", [
     (z1.zero1, 8, 1, {}), (z1.zero2, 4, 1, {}),
-    (z1.zero1, 4, 2, {"max_grad_norm": 0.5})],
-    ids=["zero1-8", "zero2-4", "zero1-4-accum2-clip"])
+    (z1.zero1, 4, 2, {"max_grad_norm": 0.5}),
+    (z1.zero1, 8, 1, {"lookups": False})],   # emb's rows read from the whole leaf
+    ids=["zero1-8", "zero2-4", "zero1-4-accum2-clip", "zero1-8-no-lookups"])
 def test_bitwise_the_step_of_fp32_gathers_with_half_their_bytes(make, n, accum, kw,
                                                                monkeypatch):
   run_ = lambda: run(make, n, True, accum=accum, **kw)

@@ -12,10 +12,10 @@ fp32, a cast to a wider dtype, a read inside a loop, a custom derivative or
 a shard_map, a leaf the loss returns) is gathered in its own dtype.
 
 :func:`narrow_reads` finds them from the loss's jaxpr, following jitted
-calls, ``jax.checkpoint`` and ops that only move values (slices,
-reshapes, transposes, broadcasts); a row lookup served from the stored shard
-(:mod:`.lookup`; not inside ``jax.checkpoint``, which its rewrite leaves as
-it is) is no read of the whole leaf.
+calls, ``jax.checkpoint`` and ops that only move values (slices, reshapes,
+transposes, broadcasts, row lookups); a row lookup served from the stored
+shard (:mod:`.lookup`; not inside ``jax.checkpoint``, which its rewrite
+leaves as it is) is no read of the whole leaf.
 
 Example:
   >>> import jax.numpy as jnp
@@ -46,7 +46,8 @@ _CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat",
 # reads the same values as the cast before them (GPT-2's position table is
 # sliced to the sequence, then cast). Followed, the leaf their first operand.
 _MOVES = ("slice", "reshape", "transpose", "squeeze", "expand_dims",
-          "broadcast_in_dim", "rev", "dynamic_slice", "copy", "copy_p")
+          "broadcast_in_dim", "rev", "dynamic_slice", "gather", "copy",
+          "copy_p")
 
 
 def _body(eqn):
