@@ -6,9 +6,9 @@ padded Psi once in the gradient dtype and start under the backward (the
 first before the backward's last compute); the gathers of the shards
 train_step keeps between steps run under the next forward; jax.grad's
 gradients in plain jit reach tx.update by reduce-scatter; between steps a
-device holds 1/N of the params and of the state; "auto" in-place collectives
-decided by the devices the program is compiled for. XLA's estimates of the
-step are experiments/gpu/aot.py's (docs/results.md).
+device holds 1/N of the params and of the state. XLA's estimates of the
+step are experiments/gpu/aot.py's (docs/results.md); the tools that read
+them are tests/test_gpu_tools.py's.
 
 The model: a 4-layer BERT of 3.7M params at 32 x 128 tokens a device, with
 1 MiB buckets so that its 15 MB of gradients make 17 groups (BERT-base's
@@ -402,122 +402,3 @@ def test_the_bytes_live_at_the_peak_are_read_from_xlas_dump(compiled, form):
   other = "ddp" if form != "ddp" else "train_step"
   with pytest.raises(ValueError, match="another compile's dump"):
     peak_breakdown.temp_live_at_peak(DUMPS[other, "fp32"], temp)
-
-
-def test_auto_collectives_follow_the_devices_compiled_for(mesh):
-  """inplace_bytes="auto": in place (one collective per large leaf, XLA
-  combining them) for a program compiled for GPUs, packed (one bucket) on
-  CPU, whatever backend jax runs on (here: CPU)."""
-  assert jax.default_backend() == "cpu"
-  params = {f"w{i}": jax.ShapeDtypeStruct((256, 256), np.float32) for i in range(3)}
-  loss = lambda p, b: sum((b["x"] @ w).sum() for w in p.values())
-  batch = {"x": jax.ShapeDtypeStruct((8, 256), np.float32)}
-
-  def reduce_scatters(m):
-    tx = z1.zero1(gpu_aot.optimizer(), axis_name="data")
-    state = jax.eval_shape(lambda p: z1.init(tx, p, m)[1], params)
-    state = gpu_aot.with_shardings(state, z1.state_shardings(tx, params, m))
-    sds = lambda t, spec: gpu_aot.placed(t, m, lambda _: spec)
-    low = z1.train_step(loss, tx, m, shard_params=False).lower(
-        sds(params, jax.sharding.PartitionSpec()), state,
-        sds(batch, jax.sharding.PartitionSpec("data")))
-    return low.as_text().count("reduce_scatter")
-  assert reduce_scatters(mesh) == 3
-  assert reduce_scatters(jax.make_mesh((8,), ("data",))) == 1
-
-
-@pytest.mark.parametrize("version", ["0.10.2", "0.12.0.1"])
-def test_hlo_collectives_read_each_jax_versions_gpu_hlo(version):
-  """tests/fixtures/make_gpu_hlo.py's program (an all-reduce of 16 MiB, a
-  reduce-scatter and an all-gather of 2 MiB each) as each jax's XLA prints
-  it for 8 H100s: jax 0.12 prints the async all-reduce as
-  ((operands), results), which was counted twice (32 MiB)."""
-  import pathlib
-  text = (pathlib.Path(__file__).parent / "fixtures"
-          / f"gpu_hlo_jax-{version}.txt").read_text()
-  coll = z1.inspect.hlo_collectives(text)
-  assert {k: (c.count, c.bytes) for k, c in coll.items()} == {
-      "all-reduce": (1, 16 << 20), "reduce-scatter": (1, 2 << 20),
-      "all-gather": (1, 2 << 20)}
-
-
-def test_the_target_config_is_read_without_an_error_line():
-  """jaxlib 0.10.2's parser predates a field of XLA's spec: the field is
-  left out up front, not after an error line from XLA's C++ on the user's
-  first screen (jax 0.12 reads the spec whole)."""
-  import subprocess
-  import sys
-  code = ("import jax; jax.config.update('jax_platforms', 'cpu'); "
-          "import experiments.gpu.aot; from zero1_jax.inspect import gpu; "
-          "print(dict(gpu.mesh(8).shape))")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert "{'data': 8}" in out.stdout
-  assert "Error parsing" not in out.stderr, out.stderr[-2000:]
-
-
-def test_collective_costs_times_each_collective_alone():
-  """experiments/gpu/collective_costs.py (docs/gpu.md's ratio of a
-  reduce-scatter plus a gather to one all-reduce of the same bytes): each
-  collective compiled with nothing beside it, so its window is its cost;
-  more bytes cost more."""
-  from experiments.gpu import collective_costs as cc
-  try:
-    small, large = cc.costs(2, 4), cc.costs(2, 16)
-  except cc.Unpriced as e:   # jax 0.12: the tables are jax 0.10.2's
-    if jax.__version_info__ < (0, 11):
-      raise
-    pytest.skip(str(e))
-  assert set(small) == {"all-reduce", "reduce-scatter", "all-gather"}
-  for kind in small:
-    assert 0 < small[kind] < large[kind], kind
-
-
-def test_the_memory_line_is_ddps_peak_less_the_state_zero1_saves():
-  """docs/gpu.md's line for each form's peak per GPU: DDP's, less the
-  optimizer state sharded away (2 fp32 moments; with bf16 params 3 fp32
-  copies, DDP's master included), plus the param shard the forms that own
-  the step keep between steps. Psi = 1 Mi params: figures in MiB."""
-  from experiments.gpu import aot_tables as tables
-  psi, mib = 1 << 20, 1 << 20
-  ddp = {"form": "ddp", "model": "m", "gpus": 8, "peak_bytes": 100 * mib}
-  rows = [dict(ddp, dtype=dt) for dt in ("fp32", "bf16")] + [
-      {"form": f, "model": "m", "dtype": dt, "gpus": 8, "peak_bytes": pk * mib}
-      for f, dt, pk in [("jit_vg", "fp32", 93), ("train_step", "fp32", 94),
-                        ("jit_vg", "bf16", 89.5), ("zero2", "bf16", 89.75),
-                        ("floor", "fp32", 1)]]
-  line = {(r["form"], r["dtype"]): tables.memory_line(r, rows[0 if r["dtype"] == "fp32" else 1], psi)
-          / mib for r in rows}
-  assert line["jit_vg", "fp32"] == 100 - 8 * 7 / 8
-  assert line["train_step", "fp32"] == 100 - 8 * 7 / 8 + 4 / 8
-  assert line["jit_vg", "bf16"] == 100 - 12 * 7 / 8
-  assert line["zero2", "bf16"] == 100 - 12 * 7 / 8 + 2 / 8
-  out = tables.lines(rows, {"m": psi}).splitlines()[2:]
-  assert [r.split("|")[3].strip() for r in out] == ["jit_vg", "train_step", "jit_vg", "zero2"]
-  assert [r.split("|")[6].strip() for r in out] == ["0.0", "0.5", "0.0", "0.0"]
-  assert [r.split("|")[7].strip() for r in out] == [""] * 4   # no live bytes measured
-  # the same line for the bytes live at the peak, drawn from DDP's live bytes
-  live = {("ddp", "fp32"): 90, ("ddp", "bf16"): 90, ("jit_vg", "fp32"): 83.5,
-          ("train_step", "fp32"): 83, ("jit_vg", "bf16"): 79.5, ("zero2", "bf16"): 80}
-  for r in rows:
-    if (r["form"], r["dtype"]) in live:
-      r["live_peak_bytes"] = live[r["form"], r["dtype"]] * mib
-  out = tables.lines(rows, {"m": psi}).splitlines()[2:]
-  assert [r.split("|")[8].strip() for r in out] == ["83.0", "83.5", "79.5", "79.8"]
-  assert [r.split("|")[9].strip() for r in out] == ["0.5", "0.0", "0.0", "0.2"]
-
-
-def test_zero1_keywords_reach_only_the_forms_that_take_them():
-  """``--zero1 gather_bucket_bytes=...``: the zero1 forms compile with it,
-  the baselines without; the engine takes what its DeepSpeed config has
-  (``allgather_bucket_size``, in fp32 elements) and is left out, rather
-  than compiled without it, for what the config has not."""
-  kw = {"gather_bucket_bytes": 1 << 25}
-  assert gpu_aot.zero1_kw_for("train_step", kw) == kw
-  assert gpu_aot.zero1_kw_for("jit_grad", kw) == kw
-  assert gpu_aot.zero1_kw_for("ddp", kw) == {}
-  assert gpu_aot.zero1_kw_for("engine", kw) == kw
-  assert gpu_aot.zero1_kw_for("engine", {"inplace_bytes": 1 << 16}) is None
-  zero = gpu_aot.ds_json("fp32", 1, **kw)["zero_optimization"]
-  assert zero == {"stage": 1, "allgather_bucket_size": 1 << 23}
