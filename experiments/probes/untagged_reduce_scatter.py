@@ -23,6 +23,12 @@ partitioner's:
    Beside each, when the backward's weight-gradient gemms run: XLA
    schedules them next to the reduce-scatter they feed, after the input
    gradients, where DDP's run under its per-block all-reduces.
+3. The gradients of the upper blocks (the backward's first) all-reduced
+   whole, DDP's collective, and sliced on each device, the rest
+   reduce-scattered: the step barely moves (blocks 6-11: 22,410 µs
+   against 22,608 as it is; blocks 3-11: 23,305; DDP 19,925), as the
+   all-gathers after the update (about 3.3 ms at 16 GPUs) stay exposed
+   whatever reduced the gradients.
 
 Run: ``python -m experiments.probes.untagged_reduce_scatter`` (needs the
 gpu-aot extra; about a minute).
@@ -30,6 +36,7 @@ gpu-aot extra; about a minute).
 from __future__ import annotations
 
 import contextlib
+import re
 import tempfile
 from unittest import mock
 
@@ -88,6 +95,24 @@ def _tagged_blocks(grads, g_specs, layout, mesh, where, axis):
 _AS_BLOCKS = jit_mode._as_blocks
 
 
+def _upper_blocks_whole(first: int):
+  """jit_mode._as_blocks, but the gradients of GPT-2's blocks ``first`` and
+  above (the backward's first) enter whole: jit's partitioner all-reduces
+  them, as DDP's, and each device slices its block."""
+  def as_blocks(grads, g_specs, layout, mesh, where, axis):
+    specs, grads = _AS_BLOCKS(grads, g_specs, layout, mesh, where, axis)
+    paths = [jax.tree_util.keystr(k) for k, _ in
+             jax.tree_util.tree_flatten_with_path(g_specs)[0]]
+    s_leaves = layout.treedef.flatten_up_to(specs)
+    whole = layout.treedef.flatten_up_to(g_specs)
+    for i, path in enumerate(paths):
+      m = re.search(r"block_(\d+)", path)
+      if m and int(m.group(1)) >= first:
+        s_leaves[i] = whole[i]
+    return layout.treedef.unflatten(s_leaves), grads
+  return as_blocks
+
+
 def weight_gemms(schedule) -> tuple[float, float]:
   """When the backward's weight-gradient gemms run (µs): jax transposes a
   ``dot_general`` into a gemm named ``.../transpose`` for the weight."""
@@ -96,10 +121,12 @@ def weight_gemms(schedule) -> tuple[float, float]:
   return min(o.start for o in ops), max(o.end for o in ops)
 
 
-def compiled(mesh, form: str, tags: bool, options: dict) -> tuple:
-  """``(reduce-scatters, step µs, reduce-scatter µs exposed, weight-gradient
-  gemms (first start, last end) µs, each reduce-scatter's start µs)``."""
-  patch = (mock.patch.object(jit_mode, "_as_blocks", _tagged_blocks) if tags
+def compiled(mesh, form: str, as_blocks, options: dict) -> tuple:
+  """``(reduce-scatters, step µs, reduce-scatter µs exposed, all-reduce µs
+  exposed, weight-gradient gemms (first start, last end) µs, each
+  reduce-scatter's start µs)``, with ``as_blocks`` (None: zero1's) in
+  place of ``jit_mode._as_blocks``."""
+  patch = (mock.patch.object(jit_mode, "_as_blocks", as_blocks) if as_blocks
            else contextlib.nullcontext())
   with patch, tempfile.TemporaryDirectory() as d:
     c, schedule = gpu.compile(aot.lower(form, MODEL, DTYPE, mesh),
@@ -109,7 +136,8 @@ def compiled(mesh, form: str, tags: bool, options: dict) -> tuple:
   starts = sorted(o.start for o in schedule.ops
                   if o.name.startswith("reduce-scatter-start"))
   return (rs.count if rs else 0, s.step_us,
-          s.exposed_by_kind.get("reduce-scatter", 0.0), weight_gemms(schedule),
+          s.exposed_by_kind.get("reduce-scatter", 0.0),
+          s.exposed_by_kind.get("all-reduce", 0.0), weight_gemms(schedule),
           starts)
 
 
@@ -120,16 +148,22 @@ def main() -> None:
   mesh = gpu.mesh(GPUS, ("data",), hosts=GPUS // 8)
   print(f"{MODEL} {DTYPE}, {GPUS} x H100 on {GPUS // 8} hosts (XLA's cost model, "
         f"µs); W gemms: the weight gradients' gemms, first start to last end")
-  print(f"{'':51} {'RS':>3} {'step':>7} {'RS exposed':>11} {'W gemms':>15}  "
-        f"each RS starts at")
-  for name, form, tags, opts in [
-      ("ddp (all-reduces)", "ddp", False, {}),
-      ("jit_grad", "jit_grad", False, {}),
-      ("jit_grad, blocks constrained under a tag per group", "jit_grad", True, {}),
-      ("jit_grad, XLA's threshold at 8 MiB a device", "jit_grad", False,
-       {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 << 20})]:
-    n, step, exposed, (w0, w1), starts = compiled(mesh, form, tags, opts)
-    print(f"{name:51} {n:3d} {step:7,.0f} {exposed:11,.0f} {w0:7,.0f}-{w1:7,.0f}  "
+  print(f"{'':51} {'RS':>3} {'step':>7} {'RS exposed':>11} {'AR exposed':>11} "
+        f"{'W gemms':>15}  each RS starts at")
+  for name, form, as_blocks, opts in [
+      ("ddp (all-reduces)", "ddp", None, {}),
+      ("jit_grad", "jit_grad", None, {}),
+      ("jit_grad, blocks constrained under a tag per group", "jit_grad",
+       _tagged_blocks, {}),
+      ("jit_grad, XLA's threshold at 8 MiB a device", "jit_grad", None,
+       {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 << 20}),
+      ("jit_grad, blocks 6-11 all-reduced whole", "jit_grad",
+       _upper_blocks_whole(6), {}),
+      ("jit_grad, blocks 3-11 all-reduced whole", "jit_grad",
+       _upper_blocks_whole(3), {})]:
+    n, step, exposed, ar, (w0, w1), starts = compiled(mesh, form, as_blocks, opts)
+    print(f"{name:51} {n:3d} {step:7,.0f} {exposed:11,.0f} {ar:11,.0f} "
+          f"{w0:7,.0f}-{w1:7,.0f}  "
           f"{', '.join(f'{t:,.0f}' for t in starts)}", flush=True)
 
 
