@@ -141,8 +141,10 @@ def ds_json(dtype: str, stage: int, bucket_bytes: int | None = None,
 
 def lower(form: str, name: str, dtype: str, mesh, **zero1_kw):
   """The form's step lowered for ``mesh`` on abstract arguments
-  (``zero1_kw``: more keywords for z1.zero1 / z1.zero2)."""
-  step_kw = {k: zero1_kw.pop(k) for k in ("shard_lookups",) if k in zero1_kw}
+  (``zero1_kw``: more keywords for z1.zero1 / z1.zero2, and
+  ``shard_lookups`` / ``grad_accum_steps`` for the step)."""
+  step_kw = {k: zero1_kw.pop(k) for k in ("shard_lookups", "grad_accum_steps")
+             if k in zero1_kw}
   if form in ("train_step_gathered", "jit_vg_gathered"):
     form, step_kw = form[:-9], {**step_kw, "shard_lookups": False}
   shapes, loss_fn, per_device, seq = model(name, dtype)
