@@ -286,3 +286,34 @@ def train_cli(tmp_path, config: dict, *extra, num_devices: int = 2,
                      "--model_name_or_path", "bert-tiny", "--seq_len", "16",
                      "--max_steps", str(max_steps), "--no_progress",
                      "--output_dir", str(tmp_path / "out"), *extra])
+
+
+# The GPU program's optimization barriers order zero1's collectives (a
+# reduce-scatter chain, gathers after their group). jax 0.10.2's compiled
+# text keeps them; jax 0.12's XLA schedules by them and then removes them
+# (its remat pipeline's cse_barrier_expander), so the order is read from its
+# dump of the module just before that pass: the same scheduled program.
+BARRIER_DUMP = {"xla_dump_hlo_pass_re": "cse_barrier_expander"}
+
+
+def text_with_barriers(compiled, dump_dir: str) -> str:
+  """``compiled``'s optimized HLO text with its optimization barriers; on
+  jax 0.11+ read from ``dump_dir``, where it was compiled with
+  :data:`BARRIER_DUMP` among its options."""
+  import glob
+  if jax.__version_info__ < (0, 11):
+    return compiled.as_text()
+  found = glob.glob(os.path.join(dump_dir, "*before_cse_barrier_expander.txt"))
+  assert len(found) == 1, (dump_dir, found)
+  with open(found[0]) as f:
+    return f.read()
+
+
+def gpu_program_with_barriers(lowered, options: dict | None = None) -> str:
+  """``lowered`` compiled for GPUs (zero1_jax.inspect.gpu): its optimized
+  HLO text with its optimization barriers (:func:`text_with_barriers`)."""
+  import tempfile
+  from zero1_jax.inspect import gpu
+  with tempfile.TemporaryDirectory(prefix="zero1_barriers_") as d:
+    c, _ = gpu.compile(lowered, {**(options or {}), **BARRIER_DUMP}, dump_to=d)
+    return text_with_barriers(c, d)

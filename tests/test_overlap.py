@@ -311,3 +311,22 @@ ENTRY %e (p: f32[6]) -> f32[6] {
 }
 """)
   assert m.computations["e"][-1].operands == ("a",) * 6
+
+
+def test_an_operand_naming_one_output_of_another_is_an_edge():
+  """jax 0.12's XLA, in its dumps between passes, names one output of a
+  multi-output instruction ``%b#0``: that operand was dropped, so a
+  reduce-scatter behind an optimization barrier waited for nothing."""
+  m = hlo_graph.parse("""HloModule m
+
+ENTRY %e (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %t = (f32[4]{0}) tuple(%p)
+  %b = (f32[4]{0}) opt-barrier(%t)
+  ROOT %n = f32[4]{0} negate(%b#0)
+}
+""")
+  instrs = m.computations["e"]
+  assert instrs[-1].operands == ("b",)
+  deps = hlo_graph.dependencies(instrs)
+  assert deps.ancestors[deps.node_of[3]] >> deps.node_of[2] & 1

@@ -42,6 +42,7 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _OPEN, _CLOSE = "([{", ")]}"
+_OUTPUT = re.compile(r"#\d+$")
 
 
 class Instruction(NamedTuple):
@@ -92,8 +93,10 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 
 def _names(text: str) -> list[str]:
   # XLA marks every 5th operand with a comment, glued to its name:
-  # ``concatenate(%a, %b, %c, %d, %e, /*index=5*/%f)``.
-  return [p.split()[-1].lstrip("%") for p in _split_top(_COMMENT.sub(" ", text))]
+  # ``concatenate(%a, %b, %c, %d, %e, /*index=5*/%f)``; jax 0.12's XLA names
+  # one output of a multi-output instruction ``%a#0`` (its dumps mid-pipeline).
+  return [_OUTPUT.sub("", p.split()[-1].lstrip("%"))
+          for p in _split_top(_COMMENT.sub(" ", text))]
 
 
 def _instruction(name: str, rest: str) -> Instruction | None:
