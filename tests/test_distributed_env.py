@@ -202,6 +202,31 @@ def test_runtime_fatal_block_becomes_one_line():
   assert out.getvalue() == warn
 
 
+def test_no_second_line_when_the_process_said_its_own_first():
+  """The survivor's collective failed and it printed its line; the
+  runtime's error thread aborted before the survivor's os._exit. The
+  helper drops the fatal block and writes no second line (the CI's slow
+  suite once showed both)."""
+  import io
+  from zero1_jax.cli.launch import filter_stderr
+  said = (b"zero1-train: error: process 0 of 2 died; process 1 stops "
+          b"(UNKNOWN: Gloo AllGather failed); resume with: x\n")
+  stream = said + (
+      b"F1201 22:55:16.485082 15409 client.h:80] Terminating process because "
+      b"the JAX distributed service detected fatal errors. absl::Status: "
+      b"UNAVAILABLE: Either the leader task was preempted/died/restarted\n"
+      b"*** Check failure stack trace: ***\n")
+  out = io.BytesIO()
+  filter_stderr(io.BytesIO(stream), out, lambda ranks: f"dead {ranks}")
+  assert out.getvalue() == said
+  # a line of another kind before the block does not stand for it
+  other = b"zero1-train: error: the data ran out\n"
+  out = io.BytesIO()
+  filter_stderr(io.BytesIO(other + stream[len(said):]), out,
+                lambda ranks: f"dead {ranks}")
+  assert out.getvalue() == other + b"dead [0]\n"
+
+
 def test_dead_ranks_from_the_runtime_error():
   from zero1_jax.cli.launch import dead_ranks
   assert dead_ranks(b"UNAVAILABLE: The following tasks are unhealthy (stopped "

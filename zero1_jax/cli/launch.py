@@ -91,6 +91,7 @@ class _TextOut:
 # stderr in a forked helper, drops that block and the runtime's warnings
 # before it, and prints one line in its place.
 _ABSL = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+_DEAD_LINE = b"zero1-train: error: "
 _OURS = (b"[zero1", b"zero1-train", b"zero1_jax", b"[Rank ", b"step ")
 
 
@@ -118,13 +119,20 @@ def dead_ranks(fatal: bytes) -> list[int]:
 def filter_stderr(pipe, out, on_fatal) -> None:
   """Copies ``pipe`` to ``out`` less the runtime's fatal block (and the
   warnings just before it, held back until a line of ours or EOF shows
-  none follows); at EOF after a fatal block, writes ``on_fatal(ranks)``."""
+  none follows); at EOF after a fatal block, writes ``on_fatal(ranks)``,
+  unless the process said its own line of a dead peer before the block
+  (its collective failed, it printed the line, and the runtime's own
+  error thread aborted before its ``os._exit``: two lines were seen once in
+  the slow suite)."""
   held: list[bytes] = []
   fatal: list[bytes] | None = None
+  said = False
   for line in iter(pipe.readline, b""):
     if fatal is not None:
       fatal.append(line)
       continue
+    if line.startswith(_DEAD_LINE) and b" died" in line:
+      said = True
     if _ABSL.match(line) and line[:1] == b"F":
       fatal = [line]
       held = []
@@ -137,7 +145,7 @@ def filter_stderr(pipe, out, on_fatal) -> None:
     held = []
     out.flush()
   out.write(b"".join(held))
-  if fatal is not None:
+  if fatal is not None and not said:
     try:
       text = on_fatal(dead_ranks(b"".join(fatal)))
     except Exception as e:  # noqa: BLE001 - the line is said regardless
