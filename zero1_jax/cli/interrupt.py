@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -29,9 +30,10 @@ _PENDING = threading.Event()   # a Ctrl-C not yet handled (see remembered)
 def remembered() -> Iterator[None]:
   """Ctrl-C raises KeyboardInterrupt as by default, and is remembered until
   :func:`handled`: one that lands while the main thread runs a garbage-
-  collector callback (jax's ``_xla_gc_callback``) is swallowed there
-  ("Exception ignored in ...") and the run went on to its end with exit 0;
-  :func:`check` raises it again at the next step. Another handler already
+  collector callback (jax's ``_xla_gc_callback``) is dropped there by the
+  interpreter, which prints "Exception ignored in ..." and a traceback (a
+  run went on to its end with exit 0): there it is only remembered, and
+  :func:`check` raises it at the next step. Another handler already
   installed (or SIGINT ignored) is left alone."""
   if (threading.current_thread() is not threading.main_thread()
       or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
@@ -40,7 +42,8 @@ def remembered() -> Iterator[None]:
 
   def record(signum, frame):
     _PENDING.set()
-    signal.default_int_handler(signum, frame)
+    if not _in_gc_callback(frame):   # there: check() raises it, no traceback
+      signal.default_int_handler(signum, frame)
 
   signal.signal(signal.SIGINT, record)
   try:
@@ -48,6 +51,18 @@ def remembered() -> Iterator[None]:
   finally:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _PENDING.clear()
+
+
+def _in_gc_callback(frame) -> bool:
+  """Whether ``frame`` runs inside a garbage-collector callback, where a
+  raised KeyboardInterrupt is only printed ("Exception ignored in ...",
+  with a traceback) and dropped."""
+  codes = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in codes:
+      return True
+    frame = frame.f_back
+  return False
 
 
 def check() -> None:
