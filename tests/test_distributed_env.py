@@ -279,7 +279,7 @@ def test_peer_watch_names_the_dead_process():
   gone = subprocess.Popen([sys.executable, "-c", "pass"])
   gone.wait()
   store.kv[f"{distributed.PeerWatch.PREFIX}/who/1"] = f"{socket.gethostname()} {gone.pid}"
-  store.kv[f"{distributed.PeerWatch.PREFIX}/who/2"] = f"elsewhere 1"
+  store.kv[f"{distributed.PeerWatch.PREFIX}/who/2"] = "elsewhere 1"
   w = distributed.PeerWatch(store, 0, 3, tick_s=0.05, stale_s=0.3)
   try:
     assert w.dead(wait_s=2.0) == [1]
