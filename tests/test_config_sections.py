@@ -10,8 +10,7 @@ import warnings
 
 import pytest
 
-from zero1_jax.deepspeed.schema import (ConfigError, NotHonouredWarning,
-                                        UnknownKeyWarning)
+from zero1_jax.deepspeed.schema import ConfigError, UnknownKeyWarning
 from helpers import config_error as err, fresh_ds_notes, load  # noqa: F401
 
 

@@ -15,7 +15,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 

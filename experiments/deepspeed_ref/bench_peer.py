@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np

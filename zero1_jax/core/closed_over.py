@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
