@@ -174,32 +174,41 @@ def test_slurm_tasks_per_node_form():
 
 
 # ------------------------------------------- a dead peer: which one, and the line
-def test_runtime_fatal_block_becomes_one_line():
-  """JAX's runtime aborts from C++ when process 0 (its coordination
-  service) is gone: the F line, its error, the stack trace. The output
-  helper drops that block and the warnings just before it, keeps every
-  other line, and writes the line it is given for the ranks named."""
+# The block JAX's runtime writes when it aborts from C++ because process 0
+# (its coordination service) is gone: the F line, its error, the trace.
+FATAL_BLOCK = (
+    b"F1201 22:55:16.485082 15409 client.h:80] Terminating process because "
+    b"the JAX distributed service detected fatal errors. absl::Status: "
+    b"UNAVAILABLE: Either the leader task was preempted/died/restarted\n"
+    b"*** Check failure stack trace: ***\n"
+    b"    @     0x7faf4b840634  absl::LogMessage::SendToLog()\n")
+
+
+def _filtered(stream: bytes) -> bytes:
+  """What the output helper writes for ``stream``, its line being
+  ``dead [ranks]``."""
   import io
   from zero1_jax.cli.launch import filter_stderr
+  out = io.BytesIO()
+  filter_stderr(io.BytesIO(stream), out, lambda ranks: f"dead {ranks}")
+  return out.getvalue()
+
+
+def test_runtime_fatal_block_becomes_one_line():
+  """The output helper drops the runtime's fatal block and the warnings
+  just before it, keeps every other line, and writes the line it is given
+  for the ranks named."""
   stream = (
       b"[zero1_jax] process 1 of 2 joined\n"
       b"W1201 22:55:16.485020 15409 preemption_sync_manager.cc:147] Failed\n"
       b"Additional GRPC error information from remote target\n"
       b"E1201 22:55:16.485078 15409 coordination_service_agent.cc:289] Polled\n"
-      b"F1201 22:55:16.485082 15409 client.h:80] Terminating process because "
-      b"the JAX distributed service detected fatal errors. absl::Status: "
-      b"UNAVAILABLE: Either the leader task was preempted/died/restarted\n"
-      b"*** Check failure stack trace: ***\n"
-      b"    @     0x7faf4b840634  absl::LogMessage::SendToLog()\n")
-  out = io.BytesIO()
-  filter_stderr(io.BytesIO(stream), out, lambda ranks: f"dead {ranks}")
-  assert out.getvalue() == b"[zero1_jax] process 1 of 2 joined\ndead [0]\n"
+      + FATAL_BLOCK)
+  assert _filtered(stream) == b"[zero1_jax] process 1 of 2 joined\ndead [0]\n"
   # a warning with no fatal after it is kept, whole
   warn = (b"W1201 22:55:16.485020 1 x.cc:1] slow\nits detail\n"
           b"[zero1-train] step line\n")
-  out = io.BytesIO()
-  filter_stderr(io.BytesIO(warn), out, lambda ranks: "never")
-  assert out.getvalue() == warn
+  assert _filtered(warn) == warn
 
 
 def test_no_second_line_when_the_process_said_its_own_first():
@@ -207,24 +216,12 @@ def test_no_second_line_when_the_process_said_its_own_first():
   runtime's error thread aborted before the survivor's os._exit. The
   helper drops the fatal block and writes no second line (the CI's slow
   suite once showed both)."""
-  import io
-  from zero1_jax.cli.launch import filter_stderr
   said = (b"zero1-train: error: process 0 of 2 died; process 1 stops "
           b"(UNKNOWN: Gloo AllGather failed); resume with: x\n")
-  stream = said + (
-      b"F1201 22:55:16.485082 15409 client.h:80] Terminating process because "
-      b"the JAX distributed service detected fatal errors. absl::Status: "
-      b"UNAVAILABLE: Either the leader task was preempted/died/restarted\n"
-      b"*** Check failure stack trace: ***\n")
-  out = io.BytesIO()
-  filter_stderr(io.BytesIO(stream), out, lambda ranks: f"dead {ranks}")
-  assert out.getvalue() == said
+  assert _filtered(said + FATAL_BLOCK) == said
   # a line of another kind before the block does not stand for it
   other = b"zero1-train: error: the data ran out\n"
-  out = io.BytesIO()
-  filter_stderr(io.BytesIO(other + stream[len(said):]), out,
-                lambda ranks: f"dead {ranks}")
-  assert out.getvalue() == other + b"dead [0]\n"
+  assert _filtered(other + FATAL_BLOCK) == other + b"dead [0]\n"
 
 
 def test_dead_ranks_from_the_runtime_error():
