@@ -139,3 +139,24 @@ def test_zero1_keywords_reach_only_the_forms_that_take_them():
   assert gpu_aot.zero1_kw_for("engine", {"inplace_bytes": 1 << 16}) is None
   zero = gpu_aot.ds_json("fp32", 1, **kw)["zero_optimization"]
   assert zero == {"stage": 1, "allgather_bucket_size": 1 << 23}
+
+
+def test_the_docs_table_at_a_glance_is_the_committed_estimates():
+  """docs/gpu.md's table at a glance is :func:`aot_tables.glance` of the
+  committed results (experiments/results/gpu_aot.json), so the two cannot
+  drift apart; and a range spans the models: each form's lowest and
+  highest step over DDP's."""
+  import json
+  import pathlib
+  from experiments.gpu import aot_tables as tables
+  root = pathlib.Path(__file__).resolve().parent.parent
+  rows = json.loads((root / "experiments/results/gpu_aot.json").read_text())
+  made = tables.glance(rows)
+  page = (root / "docs/gpu.md").read_text()
+  assert made in page, "regenerate docs/gpu.md's table at a glance:\n" + made
+  ddp = {(r["model"], r["gpus"]): r["step_us"] for r in rows
+         if r["form"] == "ddp" and r["dtype"] == "fp32"}
+  ratios = [r["step_us"] / ddp[r["model"], r["gpus"]] for r in rows
+            if r["form"] == "train_step" and r["dtype"] == "fp32" and r["gpus"] > 8]
+  row = next(x for x in made.splitlines() if x.startswith("| `z1.train_step`"))
+  assert row.split(" | ")[2] == f"{min(ratios):.2f}-{max(ratios):.2f}"

@@ -66,7 +66,7 @@ from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
 from zero1_jax.models import bert, gpt  # noqa: E402
 from experiments.probes import peak_breakdown  # noqa: E402
 from experiments.gpu.aot_tables import (  # noqa: E402
-    BASELINES, FORMS, lines, scaling, table)
+    BASELINES, FORMS, glance, lines, scaling, table)
 
 # the params' dtype and the compute dtype: "mixed" is fp32 params computing
 # in bf16 (flax's lm1b's and nanodo's precision), where DDP keeps no master
@@ -328,7 +328,9 @@ def main(argv=None) -> None:
   md = table([r for r in rows if r["gpus"] == 8])
   if len({r["gpus"] for r in rows}) > 1:
     md += ("\n\n**Step (µs) at 8 to 64 H100s, 8 a host** (XLA's cost model; in "
-           "brackets: / DDP's step)\n\n" + scaling(rows))
+           "brackets: / DDP's step)\n\n" + scaling(rows)
+           + "\n\n**At a glance** (step / DDP's, the range over the models)\n\n"
+           + glance(rows))
   if a.lines:
     md += "\n\n**Peak per GPU against the memory line**\n\n" + lines(rows, {
         m: sum(x.size for x in jax.tree.leaves(model(m, "fp32")[0]))

@@ -1,6 +1,7 @@
 """The tables of experiments/gpu/aot.py: each form's estimated step against
-DDP's and the floor's, the step at 8 to 64 GPUs, and each zero1 form's peak
-per GPU against the memory line (DDP's peak less the state ZeRO-1 saves).
+DDP's and the floor's, the step at 8 to 64 GPUs, the ratios at a glance, and
+each zero1 form's peak per GPU against the memory line (DDP's peak less the
+state ZeRO-1 saves).
 
 Rows are :func:`experiments.gpu.aot.measure`'s dicts; every time in them is
 XLA's cost model, an estimate.
@@ -83,6 +84,47 @@ def lines(rows: list[dict], params: dict[str, int]) -> str:
       cells += [""] * 3
     out.append(f"| {r['model']}, {r['dtype']} | {r['gpus']} | {r['form']} | "
                + " | ".join(cells) + " |")
+  return "\n".join(out)
+
+
+# docs/gpu.md's table at a glance: (form, its name for a reader)
+GLANCE = (("floor", "no-communication floor"),
+          ("gspmd", "GSPMD (optax's state sharded)"),
+          ("train_step", "`z1.train_step`"),
+          ("zero2", "`z1.zero2` (`train_step`)"),
+          ("engine", "`z1.initialize`'s engine"),
+          ("jit_vg", "plain jit, `z1.value_and_grad`"),
+          ("jit_grad", "plain jit, `jax.value_and_grad`"))
+
+
+def glance(rows: list[dict]) -> str:
+  """Markdown: per form of :data:`GLANCE`, the range of its step over
+  DDP's across the models, per params' dtype, on one host (8 GPUs) and on
+  several (16 or more).
+
+  Example:
+    >>> rows = [{"model": m, "dtype": "fp32", "gpus": 8, "form": f, "step_us": t}
+    ...         for m, f, t in [("a", "ddp", 100), ("a", "train_step", 80),
+    ...                         ("b", "ddp", 200), ("b", "train_step", 170)]]
+    >>> glance(rows).splitlines()[2]
+    '| `z1.train_step` | 0.80-0.85 |'
+  """
+  ddp = {(r["model"], r["dtype"], r["gpus"]): r["step_us"]
+         for r in rows if r["form"] == "ddp"}
+  cols = [(dt, hosts) for dt in ("fp32", "bf16", "mixed") for hosts in (False, True)
+          if any(r["dtype"] == dt and (r["gpus"] > 8) == hosts for r in rows)]
+  out = ["| form | " + " | ".join(f"{dt}, {'16-64' if h else '8'}" for dt, h in cols)
+         + " |", "|---|" + "---|" * len(cols)]
+  for form, name in GLANCE:
+    cells = []
+    for dt, hosts in cols:
+      v = [r["step_us"] / ddp[k] for r in rows
+           if r["form"] == form and r["dtype"] == dt and (r["gpus"] > 8) == hosts
+           and (k := (r["model"], r["dtype"], r["gpus"])) in ddp]
+      lo, hi = (f"{min(v):.2f}", f"{max(v):.2f}") if v else ("", "")
+      cells.append(lo if lo == hi else f"{lo}-{hi}")
+    if any(cells):
+      out.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(out)
 
 
