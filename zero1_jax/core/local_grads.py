@@ -92,7 +92,7 @@ def local_grads(s: Any, params, scale, batch, order=None, tables=None):
     loss, aux = chk.split_loss(loss_of(*a), s.has_aux)
     return (loss * scale.astype(loss.dtype) / accum).astype(loss.dtype), (loss, aux)
 
-  if s.stage2:
+  if s.hooks:
     # Each leaf's gradient is reduce-scattered as the backward produces
     # it: g holds this device's summed 1/N shards (None at static leaves).
     grad_fn = zero2.reduced_grad_fn(scaled_loss, params, s.tx.config, s.n,

@@ -16,7 +16,10 @@ XLA frees each leaf's gradient as soon as its reduce-scatter has consumed it.
 
 With accumulation the scan's carry holds the 1/N shards (each micro-batch's
 gradients are reduce-scattered in its own backward, as DeepSpeed's stage 2
-does). The update then starts from those summed shards
+does). On GPUs the hooks run with accumulation only: with one micro-batch
+no gradient outlives the backward, and ``train_step`` reduce-scatters as
+stage 1 does, each leaf in place in the backward's order, for the same
+peak and a faster step across hosts (core/step.py, docs/gpu.md). The update then starts from those summed shards
 (``tx.apply(..., pre_reduced=True)``): the same divide by N x loss scale,
 norm, clipping, skip, inner update and all-gather as stage 1.
 
@@ -57,7 +60,9 @@ def zero2(inner: optax.GradientTransformation, *, axis_name: str,
   :func:`zero1_jax.train_step`, a leaf of at least ``inplace_bytes`` is
   reduce-scattered alone as soon as the backward has produced its gradient;
   smaller leaves share one collective per group of at most ``bucket_bytes``
-  (:func:`hook_groups`). ``tx.update`` inside a user's own shard_map is
+  (:func:`hook_groups`). On GPUs that is with ``grad_accum_steps`` > 1:
+  with one micro-batch ``train_step`` reduces as stage 1 does there (no
+  gradient outlives the backward; the same peak, a faster step). ``tx.update`` inside a user's own shard_map is
   stage 1's (it is handed whole local gradients, nothing is left to shard).
 
   Returns:
