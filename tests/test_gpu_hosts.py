@@ -82,6 +82,31 @@ def test_across_hosts_the_part_full_bucket_is_the_first():
   assert all(sum(map(size, g)) <= BUCKET or len(g) == 1 for g in apart)
 
 
+def test_across_hosts_a_group_counts_the_bytes_it_gathers():
+  """Across hosts tx.update gathers the hooks' groups as they were reduced
+  (core/plan.py backward_buckets). fp32 params reduced in bf16 gather fp32
+  updates: a group is cut at ``bucket_bytes`` of the larger, the fp32
+  gather, so the groups (and their combiner keys) are those of an fp32
+  reduce, not twice as large. zero2's train_step, whose hooks' groups
+  nothing gathers, counts the reduce's bytes."""
+  import jax.numpy as jnp
+  import zero1_jax as z1
+  layout = lay.plan(gpu_aot.model(MODEL, "fp32")[0], 16)
+  fp32 = lambda g: sum(16 * layout.leaves[i].shard_size * 4 for i in g)
+  narrow = groups_of(True, reduce_dtype=jnp.bfloat16)
+  assert narrow == groups_of(True)
+  assert all(fp32(g) <= BUCKET or len(g) == 1 for g in narrow)
+  assert len(narrow) > 10
+  cfg = lambda **kw: z1.zero1(gpu_aot.optimizer(), axis_name="data",
+                              bucket_bytes=BUCKET, **kw).config
+  tags = [t for _, t in zero2.backward_groups(
+      layout, cfg(reduce_dtype=jnp.bfloat16), None, "gpu", True)]
+  assert tags == [t for _, t in zero2.backward_groups(layout, cfg(), None, "gpu", True)]
+  packed = {"stage": 2, "inplace_bytes": None}
+  assert len(groups_of(False, reduce_dtype=jnp.bfloat16, **packed)) < len(
+      groups_of(False, **packed))
+
+
 def gathers(form: str, mesh, **kw) -> int:
   """All-gathers in the form's step as jax lowers it (before XLA)."""
   return gpu_aot.lower(form, MODEL, "fp32", mesh, bucket_bytes=BUCKET,

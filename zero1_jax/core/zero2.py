@@ -217,11 +217,14 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config,
   the first: the same groups in number, the first collective started
   sooner over the network (what PyTorch DDP's small first bucket is for).
   GPT-2 fp32, plain jit on 32 H100s (XLA's cost model): 19,532 µs against
-  20,540 packed from the start; DDP 20,531 (docs/gpu.md has every case)."""
+  20,540 packed from the start; DDP 20,531 (docs/gpu.md has every case).
+  ``tx.update`` gathers the same groups there (:func:`backward_groups`),
+  so a group's bytes are the larger of what its reduce-scatter and its
+  gather move (:func:`_itemsize`)."""
   n = layout.num_shards
-  small = cfg.inplace_threshold(n, platform,
-                                "hooks" if across_hosts else None)
-  from_end = across_hosts and small is None
+  from_end = _gathered_too(cfg, n, platform, across_hosts)
+  small = None if from_end else cfg.inplace_threshold(
+      n, platform, "hooks" if across_hosts else None)
   groups, open_, scalars = [], {}, {}
   back = tuple(range(len(layout.leaves)) if order is None else order)
   for i in (back if from_end else reversed(back)):
@@ -232,7 +235,7 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config,
       continue
     if spec.kind != lay.SHARD:
       continue
-    size = n * spec.shard_size * dt.itemsize
+    size = n * spec.shard_size * _itemsize(spec, cfg, from_end)
     if small is not None and size >= int(small):
       groups.append([i])
       continue
@@ -248,23 +251,45 @@ def hook_groups(layout: lay.Layout, cfg: Zero1Config,
   return groups + list(scalars.values())
 
 
-def tag_ids(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config
-            ) -> list[int]:
+def _gathered_too(cfg: Zero1Config, n: int, platform: str | None,
+                  across_hosts: bool) -> bool:
+  """Plain jit's hooks across hosts (``across_hosts``), every leaf packed:
+  ``tx.update`` gathers the new weights in the hooks' groups."""
+  return across_hosts and cfg.inplace_threshold(n, platform, "hooks") is None
+
+
+def _itemsize(spec: lay.LeafSpec, cfg: Zero1Config, gathered: bool) -> int:
+  """Bytes an element of a leaf counts for in its group: its gradient's
+  (:func:`comm_dtype`); where the group is gathered too (``gathered``), the
+  larger of that and its param's. fp32 params reduced in bf16 gather fp32
+  updates: counted by the reduce's bytes, a 64 MiB group gathered 128 MiB
+  after the backward (GPT-2 and BERT-base computing in bf16, plain jit on 16
+  H100s, XLA's cost model: 16,611 and 10,635 µs, 1.05 x DDP's step; by the
+  gather's, 15,160 and 9,610)."""
+  size = comm_dtype(spec, cfg).itemsize
+  return max(size, jnp.dtype(spec.dtype).itemsize) if gathered else size
+
+
+def tag_ids(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config,
+            gathered: bool = False) -> list[int]:
   """Each hook group's combiner group (its XLA combiner_key,
   :data:`zero1_jax.core.collectives.REDUCE_KEY`): consecutive groups of at
   most ``cfg.bucket_bytes`` in all share one, smaller towards the end of the
-  backward, which nothing hides (:func:`zero1_jax.core.layout.group_ids`)."""
+  backward, which nothing hides (:func:`zero1_jax.core.layout.group_ids`);
+  ``gathered``: the groups are gathered too, counted as
+  :func:`hook_groups` counts them."""
   n = layout.num_shards
   sizes = [sum(n * layout.leaves[i].shard_size
-               * comm_dtype(layout.leaves[i], cfg).itemsize for i in idx)
+               * _itemsize(layout.leaves[i], cfg, gathered) for i in idx)
            for idx in groups]
   return lay.group_ids(sizes, min(int(cfg.bucket_bytes), lay.GROUP_BYTES),
                        "last")
 
 
-def _tags(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config
-          ) -> list[str]:
-  return [col.REDUCE_KEY.format(g) for g in tag_ids(groups, layout, cfg)]
+def _tags(groups: list[list[int]], layout: lay.Layout, cfg: Zero1Config,
+          gathered: bool = False) -> list[str]:
+  return [col.REDUCE_KEY.format(g)
+          for g in tag_ids(groups, layout, cfg, gathered)]
 
 
 def backward_groups(layout: lay.Layout, cfg: Zero1Config,
@@ -276,7 +301,9 @@ def backward_groups(layout: lay.Layout, cfg: Zero1Config,
   :func:`reduced_grad_fn` reduce-scatters, in the backward's order: what
   ``tx.update`` gathers group by group (:func:`.plan.backward_buckets`)."""
   groups = hook_groups(layout, cfg, order, platform, across_hosts)
-  return [(idx, tag) for idx, tag in zip(groups, tag_ids(groups, layout, cfg))
+  gathered = _gathered_too(cfg, layout.num_shards, platform, across_hosts)
+  return [(idx, tag) for idx, tag
+          in zip(groups, tag_ids(groups, layout, cfg, gathered))
           if layout.leaves[idx[0]].kind == lay.SHARD]
 
 
@@ -314,7 +341,8 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
   p_leaves = jax.tree.leaves(params)
   groups = hook_groups(layout, cfg, order, platform, across_hosts)
   hooks, slots = [], []
-  tags = _tags(groups, layout, cfg)
+  tags = _tags(groups, layout, cfg,
+               _gathered_too(cfg, n, platform, across_hosts))
   for k, (idx, key) in enumerate(zip(groups, tags)):
     specs = [layout.leaves[i] for i in idx]
     dt = comm_dtype(specs[0], cfg)
