@@ -148,6 +148,24 @@ def test_accepts_a_batch_already_sharded_over_data(accum):
   np.testing.assert_allclose(m_sharded["grad_norm"], m_host["grad_norm"], rtol=FP32_SCALAR_REORDER)
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_micro_batches_move_no_row_between_devices(explicit):
+  """A batch sharded over data, split into 2 micro-batches: each device's
+  rows are its micro-batches' (the documented order, below), so the step
+  moves none of them. Micro-batch a as the a-th block of all rows made XLA
+  move (N - 1) / N of the batch every step: an all-to-all (and a
+  collective-permute) in the program."""
+  tx = z1.zero1(optax.adam(1e-3), axis_name="data")
+  types = (jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto,)
+  m = jax.make_mesh((4,), ("data",), axis_types=types)
+  p, s = z1.init(tx, odd_params(), m)
+  b = jax.device_put(batch(16), NamedSharding(m, P("data")))
+  step = z1.train_step(loss_fn, tx, m, grad_accum_steps=2, donate=False)
+  kinds = z1.inspect.hlo_collectives(step.lower(p, s, b).compile().as_text())
+  assert "reduce-scatter" in kinds and "all-gather" in kinds, kinds
+  assert not {"all-to-all", "collective-permute"} & set(kinds), kinds
+
+
 def placement_probe(p, b):
   """Weighs each device's rows by its index, nonlinearly in their mean: the
   gradient says which rows each device (and micro-batch) held. A mean loss
@@ -158,8 +176,10 @@ def placement_probe(p, b):
 
 def probe_update(rows, accum, n):
   """-grad of placement_probe when micro-batch a of device d holds the a-th
-  block of rows // accum, and within it the d-th block (the documented order)."""
-  x = np.arange(rows, dtype=np.float64).reshape(accum, n, rows // (accum * n))
+  of the accum blocks of device d's rows (the d-th block of rows // n: the
+  documented order)."""
+  x = np.arange(rows, dtype=np.float64).reshape(n, accum, rows // (accum * n))
+  x = x.swapaxes(0, 1)
   return -np.mean((np.arange(n) + 1) * x.mean(-1) ** 2)
 
 

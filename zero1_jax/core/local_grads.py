@@ -29,17 +29,29 @@ from zero1_jax.core.batch import batch_size
 
 
 def split_batch(batch, accum: int, mesh, axis: str):
-  """``(B, ...)`` -> ``(accum, B // accum, ...)`` sharded on dim 1."""
-  b = batch_size(batch, accum, mesh.shape[axis])
+  """``(B, ...)`` -> ``(accum, B // accum, ...)`` sharded on dim 1, no row
+  leaving its device: device d's block of the batch (its B / N rows, split
+  over the data axis in device order) is cut into ``accum`` consecutive
+  micro-batches, and micro-batch a holds the a-th of every device's, as
+  DeepSpeed's ranks each accumulate their own rows. (Micro-batch a as the
+  a-th consecutive block of all B rows moved (N - 1) / N of the batch
+  between devices every step: an all-to-all and a collective-permute on 8
+  GPUs.)"""
+  n = mesh.shape[axis]
+  b = batch_size(batch, accum, n)
+  per = b // (accum * n)
+  rows = NamedSharding(mesh, P(axis))
   sharding = NamedSharding(mesh, P(None, axis))
 
   def split(x):
-    shape = (accum, b // accum) + x.shape[1:]
+    blocks, shape = (n, accum, per) + x.shape[1:], (accum, n * per) + x.shape[1:]
     if explicit(mesh):
       # Explicit axes: a reshape of a sharded dim must name its output sharding.
       # Host (unsharded) input comes out replicated: reshard slices locally.
-      x = jax.lax.reshape(x, shape, out_sharding=sharding)
+      x = jax.lax.reshape(x, blocks, out_sharding=rows)
+      x = jax.lax.reshape(jnp.swapaxes(x, 0, 1), shape, out_sharding=sharding)
       return jax.sharding.reshard(x, sharding)
+    x = jnp.swapaxes(jax.lax.with_sharding_constraint(x.reshape(blocks), rows), 0, 1)
     return jax.lax.with_sharding_constraint(x.reshape(shape), sharding)
 
   return jax.tree.map(split, batch)

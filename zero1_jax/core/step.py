@@ -131,9 +131,10 @@ def train_step(loss_fn: Callable, tx: Zero1Transformation,
       is given (or ``(loss, aux)`` with ``has_aux``).
     tx: from :func:`zero1_jax.zero1` or :func:`zero1_jax.zero2`.
     mesh: a mesh with ``tx.config.axis_name``.
-    grad_accum_steps: the batch's leading axis is split into this many
-      consecutive micro-batches, each split evenly over the data axis in
-      device order. Stage 1: local gradients are summed over micro-batches
+    grad_accum_steps: the batch's leading axis is split evenly over the data
+      axis in device order, and each device's rows into this many
+      consecutive micro-batches (as DeepSpeed's ranks accumulate their own
+      rows; no row leaves its device). Stage 1: local gradients are summed over micro-batches
       and reduced once; stage 2 (:func:`zero1_jax.zero2`): each micro-batch's
       gradients are reduce-scattered in its backward pass and the 1/N shards
       summed.
