@@ -55,7 +55,7 @@ NEWEST_PY ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions
 NEWEST_TESTS ?= tests/test_checkpoint_lifecycle.py tests/test_step.py \
   tests/test_jit_mode.py tests/test_readme.py tests/test_docs.py tests/test_flax.py \
   tests/test_offload.py tests/test_value_and_grad.py \
-  tests/test_gpu_aot.py tests/test_gpu_tools.py tests/test_shard_params.py \
+  tests/test_gpu_aot.py tests/test_gpu_trainstate.py tests/test_gpu_tools.py tests/test_shard_params.py \
   tests/test_jit_in_shardings.py tests/test_params_free.py tests/test_gpu_hosts.py \
   tests/test_dispatch.py tests/test_gpu_measure.py tests/test_narrow_gathers.py tests/test_gpu_gather_order.py \
   tests/test_gpu_precisions.py tests/test_gpu_accumulation.py \
