@@ -14,6 +14,7 @@ from XLA's dump of the compile).
   python -m experiments.gpu.aot --gpus 8,16,32,64 --forms floor,ddp,train_step
   python -m experiments.gpu.aot --out experiments/results   # writes gpu_aot.json / gpu_aot.md
   python -m experiments.gpu.aot --tables experiments/results/gpu_aot.json --lines   # peaks
+  python -m experiments.gpu.aot --forms jit_grad --xla xla_gpu_reduce_scatter_combine_threshold_bytes=8388608
 
 Forms: ``floor`` (forward, backward, a local SGD step; only the loss's scalar
 all-reduce), ``ddp`` (optax in plain jit, params and state replicated: the
@@ -252,15 +253,18 @@ def zero1_kw_for(form: str, zero1_kw: dict) -> dict | None:
 
 
 def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100",
-            zero1_kw: dict | None = None) -> dict:
+            zero1_kw: dict | None = None, xla: dict | None = None) -> dict:
   """One compiled form: XLA's estimate, exposure, bytes and peak
-  (``zero1_kw``: more keywords for the zero1 forms, see :func:`lower`)."""
+  (``zero1_kw``: more keywords for the zero1 forms, see :func:`lower`;
+  ``xla``: more XLA options, for every form, as ``jax.jit(...,
+  compiler_options=...)`` or ``XLA_FLAGS`` would give them)."""
   hosts = max(1, gpus // 8)
   mesh = gpu.mesh(gpus, ("data",), gpu=kind, hosts=hosts)
   kw = zero1_kw_for(form, zero1_kw or {})
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="zero1_aot_") as dump:
-    compiled, schedule = gpu.compile(lower(form, name, dtype, mesh, **kw), OPTIONS,
+    compiled, schedule = gpu.compile(lower(form, name, dtype, mesh, **kw),
+                                     {**OPTIONS, **(xla or {})},
                                      dump_to=dump)
     mem = z1.inspect.memory(compiled)
     temp_live = peak_breakdown.temp_live_at_peak(dump, mem["temp"])
@@ -268,7 +272,7 @@ def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100",
   colls = z1.inspect.hlo_collectives(compiled.as_text())
   return {
       "form": form, "model": name, "dtype": dtype, "gpus": gpus, "gpu": kind,
-      **({"zero1_kw": kw} if kw else {}),
+      **({"zero1_kw": kw} if kw else {}), **({"xla": dict(xla)} if xla else {}),
       "step_us": s.step_us, "compute_us": s.compute_us, "exposed_us": s.exposed_us,
       "exposed_by_kind": s.exposed_by_kind,
       "collectives": {k: {"count": c.count, "bytes": c.bytes} for k, c in colls.items()},
@@ -278,6 +282,12 @@ def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100",
       "live_peak_bytes": mem["argument"] + mem["output"] - mem["alias"] + temp_live,
       "compile_s": time.perf_counter() - t0,
   }
+
+
+def key_values(text: str) -> dict:
+  """``KEY=VALUE,...`` as a dict, digits as integers."""
+  return {k: int(v) if v.isdigit() else v
+          for k, v in (kv.split("=") for kv in text.split(",") if kv)}
 
 
 def applicable(form: str, dtype: str) -> bool:
@@ -300,11 +310,13 @@ def main(argv=None) -> None:
                   help="KEY=VALUE,... more keywords for the zero1 forms (integers, or a "
                        "dtype's name), e.g. gather_bucket_bytes=33554432 or "
                        "reduce_dtype=bfloat16 (the engine takes the two bucket sizes)")
+  ap.add_argument("--xla", default="",
+                  help="KEY=VALUE,... XLA options for every form compiled, e.g. "
+                       "xla_gpu_reduce_scatter_combine_threshold_bytes=8388608")
   ap.add_argument("--lines", action="store_true",
                   help="also print each zero1 form's peak against DDP's less the state it saves")
   a = ap.parse_args(argv)
-  zero1_kw = {k: int(v) if v.isdigit() else v
-              for k, v in (kv.split("=") for kv in a.zero1.split(",") if kv)}
+  zero1_kw, xla = key_values(a.zero1), key_values(a.xla)
   rows = []
   if a.tables is not None:   # a later file's row replaces an earlier one's
     merged = {}
@@ -320,7 +332,7 @@ def main(argv=None) -> None:
         for f in filter(None, a.forms.split(",")):
           if not applicable(f, dt) or zero1_kw_for(f, zero1_kw) is None:
             continue
-          r = measure(f, m, dt, g, a.gpu, zero1_kw)
+          r = measure(f, m, dt, g, a.gpu, zero1_kw, xla)
           rows.append(r)
           print(f"{m:10} {dt} {g:3} GPUs {f:13} step {r['step_us']:9,.0f} µs  exposed "
                 f"{r['exposed_us']:7,.0f}  peak {r['peak_bytes'] / 2 ** 30:6.2f} GiB  "

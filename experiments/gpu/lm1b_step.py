@@ -118,6 +118,8 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--flax", required=True, help="a checkout of google/flax")
   ap.add_argument("--gpus", default="8,16")
+  ap.add_argument("--xla", default="", help="KEY=VALUE,... more XLA options, e.g. "
+                  "xla_gpu_reduce_scatter_combine_threshold_bytes=8388608")
   ap.add_argument("--zero1-only", action="store_true",
                   help="the zero1 step alone (a checkout whose train_step "
                        "calls z1.value_and_grad, which takes zero1's tx only)")
@@ -125,7 +127,7 @@ def main(argv=None) -> None:
   real_steps.table("flax lm1b's train step, data-parallel, its default config",
                    lowered, import_lm1b(args.flax),
                    [int(g) for g in args.gpus.split(",")], state_bytes=8,
-                   zero1_only=args.zero1_only)
+                   zero1_only=args.zero1_only, xla=real_steps.xla_options(args.xla))
 
 
 if __name__ == "__main__":

@@ -89,10 +89,13 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--nanodo", required=True, help="a checkout of google-deepmind/nanodo")
   ap.add_argument("--gpus", default="8,16")
+  ap.add_argument("--xla", default="", help="KEY=VALUE,... more XLA options, e.g. "
+                  "xla_gpu_reduce_scatter_combine_threshold_bytes=8388608")
   args = ap.parse_args(argv)
   real_steps.table("nanodo's train step, data-parallel, GPT-2-small shape",
                    lowered, import_nanodo(args.nanodo),
-                   [int(g) for g in args.gpus.split(",")], state_bytes=12)
+                   [int(g) for g in args.gpus.split(",")], state_bytes=12,
+                   xla=real_steps.xla_options(args.xla))
 
 
 if __name__ == "__main__":

@@ -50,13 +50,21 @@ def stub_unused(names: Sequence[str]) -> None:
       setattr(sys.modules[parent], child, sys.modules[name])
 
 
-def measure(lowered: Callable, program: Any, gpus: int, zero1: bool) -> dict:
-  """``lowered(program, gpus, zero1) -> (Lowered, param count)``, compiled:
-  XLA's estimated step and exposed collective time (µs), the collectives
-  ``{kind: (count, bytes)}``, arguments and peak per GPU (bytes)."""
+def xla_options(text: str) -> dict:
+  """``--xla KEY=VALUE,...``: more XLA options for both steps (as
+  ``jax.jit(..., compiler_options=...)`` gives them)."""
+  return aot.key_values(text)
+
+
+def measure(lowered: Callable, program: Any, gpus: int, zero1: bool,
+            xla: dict | None = None) -> dict:
+  """``lowered(program, gpus, zero1) -> (Lowered, param count)``, compiled
+  (with ``xla``'s options too): XLA's estimated step and exposed collective
+  time (µs), the collectives ``{kind: (count, bytes)}``, arguments and peak
+  per GPU (bytes)."""
   low, psi = lowered(program, gpus, zero1)
   with tempfile.TemporaryDirectory() as d:
-    compiled, schedule = gpu.compile(low, dict(aot.OPTIONS), dump_to=d)
+    compiled, schedule = gpu.compile(low, {**aot.OPTIONS, **(xla or {})}, dump_to=d)
   s = sched.summary(schedule)
   mem = z1.inspect.memory(compiled)
   return {"step_us": s.step_us, "exposed_us": s.exposed_us, "psi": psi,
@@ -66,7 +74,7 @@ def measure(lowered: Callable, program: Any, gpus: int, zero1: bool) -> dict:
 
 
 def table(title: str, lowered: Callable, program: Any, gpus: Sequence[int],
-          state_bytes: int, zero1_only: bool = False) -> None:
+          state_bytes: int, zero1_only: bool = False, xla: dict | None = None) -> None:
   """Prints optax's and zero1's step per GPU count (``zero1_only``: zero1's
   alone); the line: optax's peak less ``state_bytes`` a param, ``(1 -
   1/N)`` of them (the state zero1 shards)."""
@@ -75,8 +83,8 @@ def table(title: str, lowered: Callable, program: Any, gpus: Sequence[int],
   print(f"{'GPUs':>4} {'optimizer':9} {'step':>8} {'/ optax':>8} {'exposed':>8} "
         f"{'arguments':>10} {'peak':>8} {'line':>8}  collectives (count, MiB)")
   for n in gpus:
-    base = None if zero1_only else measure(lowered, program, n, zero1=False)
-    ours = measure(lowered, program, n, zero1=True)
+    base = None if zero1_only else measure(lowered, program, n, False, xla)
+    ours = measure(lowered, program, n, True, xla)
     line = nan if base is None else base["peak"] - state_bytes * base["psi"] * (1 - 1 / n)
     for name, r in (("optax", base), ("zero1", ours)):
       if r is None:
