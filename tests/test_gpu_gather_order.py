@@ -20,16 +20,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zero1_jax as z1
 from experiments.gpu import aot as gpu_aot  # first: it keeps jax on the CPU backend
-from zero1_jax.inspect import gpu, hlo_graph
+from zero1_jax.inspect import gpu, hlo_graph, schedule as sc
 from helpers import gpu_program_with_barriers
 
 LAYERS, WIDTH = 5, 256   # each layer's 256 KiB kernel a gather group of its own
 
 
-def compiled_step(mesh) -> str:
+def lowered_step(mesh, compiler_options: dict | None = None):
   """An optax loop's step as flax users write it (``jax.grad``, ``tx.update``,
-  ``optax.apply_updates``) on a stack of dense layers, compiled for
-  ``mesh``; its optimized HLO text."""
+  ``optax.apply_updates``) on a stack of dense layers, lowered for ``mesh``
+  (``compiler_options``: ``jax.jit``'s)."""
   import flax.linen as nn
 
   class Stack(nn.Module):
@@ -56,11 +56,16 @@ def compiled_step(mesh) -> str:
     state = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         jax.eval_shape(tx.init, params), z1.state_shardings(tx, params, mesh))
-    low = jax.jit(step).lower(placed(params, P()), state, placed(
-        jax.ShapeDtypeStruct((64, WIDTH), jnp.float32), P("data")))
-  # XLA's combiner off: each layer's gradient its own reduce-scatter
-  # (this model's 1.3 MB would otherwise be one)
-  return gpu_program_with_barriers(low, {
+    return jax.jit(step, compiler_options=compiler_options).lower(
+        placed(params, P()), state,
+        placed(jax.ShapeDtypeStruct((64, WIDTH), jnp.float32), P("data")))
+
+
+def compiled_step(mesh) -> str:
+  """:func:`lowered_step` compiled for ``mesh`` with XLA's combiner off
+  (each layer's gradient its own reduce-scatter: this model's 1.3 MB
+  would otherwise be one); its optimized HLO text."""
+  return gpu_program_with_barriers(lowered_step(mesh), {
       **gpu_aot.OPTIONS, "xla_gpu_reduce_scatter_combine_threshold_bytes": 1})
 
 
@@ -86,3 +91,29 @@ def test_each_gather_waits_for_the_backward_of_the_layer_below():
   k - 1's gradient (layer 0's, with nothing below, once its own is)."""
   lowest = lowest_layer_each_gather_waits_for(compiled_step(gpu.mesh(8)))
   assert sorted(lowest) == [0] + list(range(LAYERS - 1)), lowest
+
+
+def reduce_scatters(mesh, compiler_options=None) -> tuple[list[sc.Window], float]:
+  """The step's reduce-scatters in XLA's schedule, and when its backward's
+  last gemm ends."""
+  _, schedule = gpu.compile(lowered_step(mesh, compiler_options), gpu_aot.OPTIONS)
+  backward_end = max(o.end for o in schedule.ops
+                     if sc.is_compute(o) and "transpose(" in o.op_name)
+  return [w for w in sc.summary(schedule).collectives
+          if w.kind == "reduce-scatter"], backward_end
+
+
+def test_the_reduce_scatter_threshold_given_to_jax_jit_splits_the_gradients():
+  """docs/gpu.md's line for ``jax.grad`` in plain jit on GPUs: XLA combines
+  the partitioner's reduce-scatters up to a threshold counted in each
+  device's output bytes (1/N of the gradient), so by default this model's
+  are one. ``tx.update`` takes each leaf as each device's block (nothing
+  packed before the reduce), so the threshold passed to ``jax.jit`` splits
+  them, a layer's kernel each, and the first runs under the backward."""
+  mesh = gpu.mesh(8)
+  assert len(reduce_scatters(mesh)[0]) == 1
+  per_layer = WIDTH * WIDTH * 4 // 8
+  split, backward_end = reduce_scatters(mesh, {
+      "xla_gpu_reduce_scatter_combine_threshold_bytes": per_layer})
+  assert len(split) == LAYERS, [(w.start, w.end) for w in split]
+  assert split[0].start < backward_end, (split[0], backward_end)
