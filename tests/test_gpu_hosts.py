@@ -278,3 +278,49 @@ def test_across_hosts_groups_and_chain_leave_the_values_bitwise():
   assert np.array_equal(np.asarray(l1), np.asarray(l0))
   for k in shapes:
     assert np.array_equal(np.asarray(g1[k]), np.asarray(g0[k])), k
+
+
+def test_plain_jit_without_set_mesh_reads_its_hosts_from_zero1s_mesh():
+  """Programs that jit without ``jax.set_mesh`` (nanodo, ``TrainState``
+  steps) show tx.update an abstract mesh, which has no devices to say which
+  host each is on: the concrete mesh of ``zero1(mesh=)`` says it. After
+  ``jax.grad``'s reduce across hosts the gathers go in buckets of up to
+  256 MiB (core/plan.py ``gather_bytes``): the small model's one gather,
+  as under ``jax.set_mesh``; on one host its 1 MiB buckets, several."""
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import zero1_jax as z1
+  from zero1_jax.core import platform as platforms
+
+  two, one = gpu.mesh(16, hosts=2), gpu.mesh(8)
+  assert not platforms.one_host(two.abstract_mesh, two)
+  assert platforms.one_host(one.abstract_mesh, one)
+  assert platforms.one_host(two.abstract_mesh)     # nothing says: one host
+  shapes, loss_fn, per_device, seq = gpu_aot.model(MODEL, "fp32")
+
+  def gathers(mesh, set_mesh: bool) -> int:
+    tx = z1.zero1(gpu_aot.optimizer(), axis_name="data", mesh=mesh,
+                  bucket_bytes=BUCKET)
+    ids = jax.ShapeDtypeStruct((mesh.shape["data"] * per_device, seq), jnp.int32,
+                               sharding=NamedSharding(mesh, P("data")))
+    state = gpu_aot.with_shardings(
+        jax.eval_shape(lambda p: z1.init(tx, p, mesh)[1], shapes),
+        z1.state_shardings(tx, shapes, mesh))
+
+    def step(p, s, bt):
+      loss, g = jax.value_and_grad(loss_fn)(p, bt)
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s, loss
+    args = (gpu_aot.placed(shapes, mesh), state,
+            {"input_ids": ids, "labels": ids})
+    if set_mesh:
+      with jax.set_mesh(mesh):
+        text = jax.jit(step).lower(*args).as_text()
+    else:
+      text = jax.jit(step).lower(*args).as_text()
+    return text.count("stablehlo.all_gather")
+
+  apart = gathers(two, set_mesh=False)
+  assert apart == gathers(two, set_mesh=True)
+  assert apart < gathers(one, set_mesh=False), apart

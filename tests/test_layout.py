@@ -124,3 +124,26 @@ def test_after_jits_reduce_gpu_gathers_are_packed_later_dims_first():
   _, in_step = plan.buckets(Zero1Config("data"), layout, params, params,
                             platform="gpu")
   assert leaves(in_step) == [[0], [1], [2]]
+
+
+def test_after_jits_reduce_across_hosts_the_gathers_are_256_mib():
+  """After jit's reduce across GPU hosts every gather waits for XLA's
+  combined reduce-scatters, so its buckets hold up to 256 MiB (or
+  ``bucket_bytes`` if larger); ``gather_bucket_bytes`` still decides when
+  set, and one host (or gradients the update reduces itself) keeps
+  ``bucket_bytes``. Shapes only: 6 leaves of 48 MiB, 288 MiB in all."""
+  import jax
+  import jax.numpy as jnp
+  from zero1_jax.core import plan
+  from zero1_jax.core.tx_config import Zero1Config
+  params = [jax.ShapeDtypeStruct((3 << 20, 4), jnp.float32)] * 6
+  layout = lay.plan(params, 16)
+  gathers = lambda cfg, **kw: len(plan.buckets(
+      cfg, layout, params, params, platform="gpu", **kw)[1])
+  jit_apart = dict(reduced_by_jit=True, across_hosts=True)
+  assert gathers(Zero1Config("data"), **jit_apart) == 2          # 256 + 32 MiB
+  assert gathers(Zero1Config("data"), reduced_by_jit=True) == 5  # 64 MiB each
+  assert gathers(Zero1Config("data", inplace_bytes=None), across_hosts=True) == 5
+  assert gathers(Zero1Config("data", gather_bucket_bytes=100 << 20),
+                 **jit_apart) == 3
+  assert gathers(Zero1Config("data", bucket_bytes=1 << 30), **jit_apart) == 1

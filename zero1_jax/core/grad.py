@@ -140,7 +140,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                              (params,) + _pieces(args, argnums, n), n, aux_reduce)
             if has_aux else None)
     lookups = _lookups(shard_lookups, platform, where, layout, plain, params,
-                       args, argnums, n)
+                       args, argnums, n, cfg.mesh)
     # Reduced in the order the backward completes the gradients (core/order.py;
     # tree order on CPU, which neither combines nor overlaps collectives),
     # each group after the one before (XLA otherwise queues them at the
@@ -150,7 +150,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                                  lookups=lookups) if gpu_like else None
     # GPUs on several hosts: the hooks' leaves packed, their chain kept
     # whole (zero2.reduced_grad_fn; measured on GPUs only).
-    apart = platform == "gpu" and not platforms.one_host(where)
+    apart = platform == "gpu" and not platforms.one_host(where, cfg.mesh)
 
     def per_device(p, *a):
       # The lookups read the whole table; their blocks stand only for the
@@ -203,13 +203,13 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
 
 def _lookups(shard_lookups: bool | str, platform: str, where: Any,
              layout: lay.Layout, plain: Callable, params: Any, args: tuple,
-             argnums: tuple, n: int) -> frozenset[int]:
+             argnums: tuple, n: int, concrete: Any = None) -> frozenset[int]:
   """The leaves whose row lookups read each device's column block: 2-D,
   split on the columns without padding, not fp16 (whose sums travel
   pre-divided), read by rows; ``"auto"``: GPU/TPU on one host only (across
   hosts the rows' all-to-all reaches every peer over the network)."""
   if shard_lookups == "auto":
-    shard_lookups = platform != "cpu" and platforms.one_host(where)
+    shard_lookups = platform != "cpu" and platforms.one_host(where, concrete)
   elif shard_lookups not in (True, False):
     raise ValueError(f"shard_lookups must be True, False or 'auto', got "
                      f"{shard_lookups!r}")

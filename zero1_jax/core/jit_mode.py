@@ -250,7 +250,7 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
     if tx.config.offload:
       ofl.check_placed(state, s_specs, axis)
   apart = (platforms.resolve(where) == "gpu"
-           and not platforms.one_host(where))
+           and not platforms.one_host(where, tx.config.mesh))
   leaves, treedef = jax.tree.flatten(extra_args or {})
   is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
   arrays = [x for x, a in zip(leaves, is_array) if a]

@@ -43,19 +43,35 @@ def resolve(mesh: Any = None) -> str:
   return found or jax.default_backend()
 
 
-def one_host(mesh: Any) -> bool:
-  """Whether every device of ``mesh`` belongs to one process (host): of an
-  abstract mesh (``jax.set_mesh``'s, read under jit), that of the concrete
-  mesh ``jax.set_mesh`` set with it; True when neither says."""
+def _processes(mesh: Any) -> int | None:
+  """How many processes ``mesh``'s devices belong to; None if it has none."""
   try:
-    return len({d.process_index for d in mesh.devices.flat}) <= 1
+    return len({d.process_index for d in mesh.devices.flat})
   except (AttributeError, ValueError, TypeError):
-    pass
+    return None
+
+
+def one_host(mesh: Any, concrete: Any = None) -> bool:
+  """Whether every device of ``mesh`` belongs to one process (host). An
+  abstract mesh (read under jit from the arguments' shardings) has no
+  devices: then those of a concrete mesh of its shape, ``concrete``
+  (``zero1(mesh=)``) or the one ``jax.set_mesh`` set; else, where the
+  mesh holds every device of a run of several processes, False; True when
+  nothing says."""
+  found = _processes(mesh)
+  if found is not None:
+    return found <= 1
+  shape = getattr(mesh, "shape", None)
+  candidates = [concrete]
   try:   # jax's context of the concrete mesh (0.10.2-0.12); private
     from jax._src.mesh import get_concrete_mesh
-    concrete = get_concrete_mesh()
-    if concrete.empty or concrete.shape != getattr(mesh, "shape", None):
-      return True
-    return len({d.process_index for d in concrete.devices.flat}) <= 1
-  except (ImportError, AttributeError, ValueError, TypeError):  # pragma: no cover
-    return True
+    candidates.append(get_concrete_mesh())
+  except ImportError:  # pragma: no cover
+    pass
+  for m in candidates:
+    if m is not None and not getattr(m, "empty", True) and m.shape == shape:
+      found = _processes(m)
+      if found is not None:
+        return found <= 1
+  size = getattr(mesh, "size", None)
+  return not (jax.process_count() > 1 and size == jax.device_count())

@@ -84,7 +84,9 @@ def zero1(inner: optax.GradientTransformation, *, axis_name: str,
       ``"all_reduce"`` (``psum`` then slice; DeepSpeed's
       ``reduce_scatter: false``).
     bucket_bytes: most bytes one reduce collective moves (all N pieces).
-    gather_bucket_bytes: the same for the all-gather (default: bucket_bytes).
+    gather_bucket_bytes: the same for the all-gather (default: bucket_bytes;
+      at least 256 MiB for gradients from ``jax.grad`` in plain jit across
+      GPU hosts, :func:`zero1_jax.core.plan.gather_bytes`).
     master_dtype: dtype of the master weights and of the gradient arithmetic
       (float32), never narrower than a parameter: float64 params keep a
       float64 master, complex ones a complex master of at least this
