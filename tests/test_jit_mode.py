@@ -362,3 +362,16 @@ def test_init_traced_under_jit_equals_eager():
       assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
     with pytest.raises(ValueError, match="not elementwise"):
       jax.jit(z1.zero1(optax.lamb(1e-2), axis_name="data").init)(params)
+
+
+@pytest.mark.parametrize("inner", [optax.adamw(1e-2), optax.sgd(1e-2)])
+def test_init_traced_under_jit_without_set_mesh_equals_eager(inner):
+  """jax.jit(tx.init) on params placed on a mesh, with no jax.set_mesh (a
+  JAX-tutorial init): tx.init sees the arguments' abstract mesh, and its
+  state (which reads the params' shapes, not their values) comes out as
+  eager init makes it. (Untied from the params, that shard_map did not
+  compile on XLA:CPU: "xla.sdy.LocalToGlobalShape".)"""
+  tx = z1.zero1(inner, axis_name="data")
+  params = jax.device_put(float_part(odd_params()), NamedSharding(mesh(4), P()))
+  traced = jax.jit(tx.init)(params)
+  assert_equal(traced, tx.init(params))

@@ -154,8 +154,21 @@ def init(tx: Any, params: Any, like: Any = None) -> Any:
   if tx.config.check_elementwise:
     ew.check_elementwise(tx.inner, local, n, tx.config.master_dtype)
   specs = zspecs.state_specs(tx, shapes, n, pa)
+
+  # The state reads the params' shapes, not their values. Under jit without
+  # jax.set_mesh the shard_map's mesh is the arguments' abstract one, and
+  # XLA:CPU (jax 0.10.2-0.12) cannot compile such a shard_map that reads no
+  # input ("No registered implementation for untyped custom call to
+  # xla.sdy.LocalToGlobalShape"): there the state is tied to the params.
+  # (Elsewhere it is not: params committed to other devices still init.)
+  tie = isinstance(mesh, jax.sharding.AbstractMesh)
+
+  def per_device(p):
+    state = tx.init_from(p, p, param_axes=pa)
+    return jax.lax.optimization_barrier((state, p))[0] if tie else state
+
   f = empty_leaves.shard_map(
-      lambda p: tx.init_from(p, p, param_axes=pa), mesh=mesh,
+      per_device, mesh=mesh,
       in_specs=(_in_specs(params, pa, axis, _typed(axis, "reduced"), sizes),),
       out_specs=specs, check_vma=False)
   state = jax.jit(f)(params)   # eager shard_map would dispatch op by op
