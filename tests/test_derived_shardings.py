@@ -219,6 +219,30 @@ def test_tutorial_in_shardings_replicating_the_state_is_named_by_zero1():
     step(params, opt_state, x)
 
 
+@pytest.mark.parametrize("where", ["eager", "jit"])
+def test_replicated_state_on_an_explicit_mesh_without_set_mesh_warns_and_runs(where):
+  """jax.make_mesh's Explicit axes, no jax.set_mesh, the state device_put
+  P() as the params are: tx.update warns with the fix (not JAX's shard_map
+  spec error), reshards it to the plan and returns optax's updates."""
+  mesh = jax.make_mesh((N,), ("data",))
+  rep = NamedSharding(mesh, P())
+  params = jax.device_put({"w": np.linspace(-1, 1, 64, dtype=np.float32).reshape(16, 4)}, rep)
+  grads = jax.device_put({"w": np.linspace(0.5, -0.25, 64, dtype=np.float32).reshape(16, 4)}, rep)
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
+  state = jax.device_put(tx.init(params), rep)
+  update = tx.update if where == "eager" else jax.jit(tx.update)
+  with pytest.warns(UserWarning, match="Every misplaced leaf is whole on each device"):
+    u, state = update(grads, state, params)
+  ref = optax.adam(1e-2)
+  want, _ = ref.update(grads, ref.init(params), params)
+  # One Adam step on the same gradients: the same element-wise arithmetic,
+  # at most an ulp of |u| <= lr apart (the step's own rounding, fused or not).
+  np.testing.assert_allclose(u["w"], want["w"], rtol=0, atol=2e-9)
+  for x in jax.tree.leaves(state):   # the moments back on zero1's plan
+    if x.ndim:
+      assert x.addressable_shards[0].data.size * N == x.size, x.sharding
+
+
 class FsdpLM(nn.Module):
   """nanodo's FSDP mode: kernels annotated over the data axis itself."""
 

@@ -186,20 +186,20 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
       ok = tuple(shape) == pieces[i]
       report.add(i, nbytes, "ok" if ok else
                  f"placed {getattr(x.sharding, 'spec', x.sharding)}")
-      if not ok and _data_explicit(data_axis):
-        out[i] = jax.sharding.reshard(x, spec)
+      if not ok and _data_explicit(data_axis, x):
+        out[i] = jax.sharding.reshard(x, _on_own_mesh(x, spec))
       continue
     typed = _typed_spec(x) if isinstance(x, jax.core.Tracer) else None
     typed_data = typed is not None and any(
         data_axis in _axes(e) for e in tuple(getattr(typed, "partitions", typed)))
-    data_explicit = _data_explicit(data_axis)
+    data_explicit = _data_explicit(data_axis, x)
     if isinstance(x, jax.core.Tracer) and (typed_data or data_explicit):
       nbytes = per_device_bytes(np.shape(x), x.dtype, typed, sizes)
       ok = (per_device_shape(np.shape(x), typed, sizes) == pieces[i]
             and _same(typed, spec, np.ndim(x), sizes))
       report.add(i, nbytes, "ok" if ok else f"typed {typed}")
       if not ok:
-        out[i] = jax.sharding.reshard(x, spec)
+        out[i] = jax.sharding.reshard(x, _on_own_mesh(x, spec))
       continue
 
     def seen(sharding, i=i, x=x):
@@ -211,12 +211,37 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
   return treedef.unflatten(out)
 
 
-def _data_explicit(axis: str) -> bool:
+def _type_mesh(x: Any) -> Any:
+  """The mesh ``x`` is placed on (an array's sharding's) or typed on (a
+  tracer under jit), or None."""
+  try:
+    mesh = (x.sharding.mesh if isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer) else jax.typeof(x).sharding.mesh)
+  except (AttributeError, TypeError):
+    return None
+  return None if getattr(mesh, "empty", True) else mesh
+
+
+def _data_explicit(axis: str, x: Any = None) -> bool:
+  """Whether ``axis`` is Explicit: on ``jax.set_mesh``'s mesh, else on the
+  mesh of ``x``'s type (a jit without ``jax.set_mesh`` types its tracers
+  on the arguments' mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
+  if (mesh.empty or axis not in mesh.axis_names) and x is not None:
+    mesh = _type_mesh(x) or mesh
   if mesh.empty or axis not in mesh.axis_names:
     return False
   kind = dict(zip(mesh.axis_names, mesh.axis_types))[axis]
   return kind == jax.sharding.AxisType.Explicit
+
+
+def _on_own_mesh(x: Any, spec: P) -> Any:
+  """``spec`` as ``jax.sharding.reshard`` takes it for ``x``: bare under
+  ``jax.set_mesh``, else on the mesh of ``x``'s type."""
+  if not jax.sharding.get_abstract_mesh().empty:
+    return spec
+  mesh = _type_mesh(x)
+  return spec if mesh is None else jax.sharding.NamedSharding(mesh, spec)
 
 
 def _same(a: P, b: P, ndim: int, sizes: Mapping[str, int]) -> bool:
