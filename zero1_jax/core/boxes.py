@@ -114,7 +114,32 @@ def mesh_axes(box, sizes: Mapping[str, int], rules: Any, where: str,
   names = tuple(box.names)
   if not is_logical(box):
     return P(*names)
-  rules = getattr(box, "rules", None) or rules
+  return names_to_mesh(names, getattr(box, "rules", None) or rules, sizes,
+                       where, data_axis)
+
+
+def variable_axes(var, sizes: Mapping[str, int], rules: Any, where: str,
+                  data_axis: str | None = None) -> P | None:
+  """The mesh ``PartitionSpec`` an nnx ``Variable``'s metadata names
+  (``nnx.with_partitioning``'s ``out_sharding``, through its
+  ``sharding_rules``, else ``rules``, where they are logical names, as
+  :func:`mesh_axes`), or None where it names none."""
+  meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+  names = meta.get("out_sharding", meta.get("sharding"))
+  if names is None:
+    return None
+  names = tuple(names)
+  flat = [a for n in names if n is not None
+          for a in ((n,) if isinstance(n, str) else n)]
+  own = meta.get("sharding_rules")
+  if all(a in sizes for a in flat) and not own:
+    return P(*names)
+  return names_to_mesh(names, own or rules, sizes, where, data_axis)
+
+
+def names_to_mesh(names: tuple, rules: Any, sizes: Mapping[str, int],
+                  where: str, data_axis: str | None = None) -> P:
+  """Logical axis ``names`` as mesh axes (:func:`mesh_axes`' rules)."""
   if rules:
     return sys.modules["flax.linen.spmd"].logical_to_mesh_axes(names,
                                                                tuple(rules))

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 
 from zero1_jax.core import boxes
 from zero1_jax.core import param_axes as pax
+from zero1_jax.core import placement
 
 
 def _no_mesh(axis: str, why: str) -> ValueError:
@@ -126,19 +127,22 @@ def place_first(where: str, axis: str) -> str:
 
 def param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
   """The params' sharding over the mesh's other axes (2-D meshes), read from
-  ``param_specs`` or the arrays / explicitly typed tracers. Under jit on Auto
-  axes it cannot be read: then the sharding ``tx.init`` read from concrete
-  arrays of the same shapes is used (flax's ``TrainState.create`` and
-  ``nnx.Optimizer`` init eagerly); failing that, a warning says so and the
-  params count as replicated over those axes."""
+  ``param_specs``, linen boxes, nnx Variables' ``with_partitioning``
+  metadata, or the arrays / explicitly typed tracers. Under jit on Auto axes
+  bare tracers carry none: then the sharding ``tx.init`` read (from concrete
+  arrays, boxes or Variables of the same shapes: flax's ``TrainState.create``,
+  ``nnx.Optimizer`` eagerly or inside a jitted create) is used; failing that,
+  a warning says so and the params count as replicated over those axes."""
   axis = tx.config.axis_name
   rules = tx.config.logical_axis_rules or boxes.context_rules()
   if rules:
     tx.seen_rules = rules   # for a step traced outside the rules' context
   pa = pax.resolve(params, dict(mesh.shape), axis, tx.config.param_specs,
                    rules=rules or getattr(tx, "seen_rules", None))
-  from_meta = any(map(boxes.is_box, jax.tree.leaves(params,
-                                                    is_leaf=boxes.is_box)))
+  wrapped = lambda x: boxes.is_box(x) or boxes.is_variable(x)
+  from_meta = any(boxes.is_box(x) or (boxes.is_variable(x) and boxes.variable_axes(
+      x, dict(mesh.shape), rules, "") is not None)
+                  for x in jax.tree.leaves(params, is_leaf=wrapped))
   params = boxes.strip(params)
   leaves = jax.tree.leaves(params)
   # Shapes and dtypes, not the treedef: nnx hands init and update the same
@@ -159,5 +163,5 @@ def param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
         f"If they are sharded there (tensor parallel), pass "
         f"zero1(..., param_specs=<tree of PartitionSpec>), make those axes "
         f"Explicit, or call tx.init on the placed arrays outside jit.",
-        stacklevel=4)
+        stacklevel=placement.user_stacklevel())
   return pa

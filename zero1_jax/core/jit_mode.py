@@ -144,8 +144,10 @@ def init(tx: Any, params: Any, like: Any = None) -> Any:
   off = jit_mesh.off_mesh(mesh, {"params": params})
   if off:
     warnings.warn(jit_mesh.place_first(off, axis), stacklevel=3)
-  pa = jit_mesh.param_axes(tx, params, where)
   like = params if like is None else like
+  # ``like``: the params as given, nnx Variables included: under jit on Auto
+  # axes their metadata (``out_sharding``) is what names their sharding.
+  pa = jit_mesh.param_axes(tx, like, where)
   params = boxes.strip(params)
   sizes = dict(where.shape)
   shapes = jax.tree.map(

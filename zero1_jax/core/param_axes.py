@@ -144,6 +144,10 @@ def rewrap_variables(like: Any, tree: Any) -> Any:
 def _spec_of(x, sizes, rules, where, data_axis=None) -> Any:
   if _boxed(x):
     return boxes.mesh_axes(x, sizes, rules, where, data_axis)
+  if _variable(x):   # nnx: its metadata, else its value's placement
+    spec = boxes.variable_axes(x, sizes, rules, where, data_axis)
+    return spec if spec is not None else _spec_of(x.get_value(), sizes,
+                                                  rules, where, data_axis)
   if isinstance(x, jax.core.Tracer):
     sharding = getattr(jax.typeof(x), "sharding", None)
   else:
@@ -199,9 +203,10 @@ def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,
       a sharded dim is not divisible by its axes' size, or logical names
       have no rules to map them.
   """
-  leaves, treedef = jax.tree.flatten(params, is_leaf=_boxed)
+  wrapped = lambda x: _boxed(x) or _variable(x)
+  leaves, treedef = jax.tree.flatten(params, is_leaf=wrapped)
   paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(params, is_leaf=_boxed)[0]]
+           jax.tree_util.tree_flatten_with_path(params, is_leaf=wrapped)[0]]
   if param_specs is not None:
     try:
       specs = treedef.flatten_up_to(param_specs)
@@ -214,7 +219,8 @@ def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,
              for x, path in zip(leaves, paths)]
   out = []
   for path, x, spec in zip(paths, leaves, specs):
-    shape = np.shape(x.value if _boxed(x) else x)
+    shape = np.shape(x.value if _boxed(x) else
+                     x.get_value() if _variable(x) else x)
     # Axes of size 1 split nothing: such a leaf is whole on every device.
     dims = tuple(tuple(a for a in axes if sizes.get(a, 0) != 1)
                  for axes in _dims(spec, len(shape), path))
