@@ -203,6 +203,11 @@ def test_tutorial_out_shardings_replicating_the_state_warn_with_the_fix():
   with pytest.warns(UserWarning, match="places zero1's optimizer state") as w:
     step(params, opt_state, x)
   msg = next(str(m.message) for m in w if "zero1" in str(m.message))
+  # At the program's line (here, its tx.update), though on Auto axes the
+  # report comes from XLA's compile, where jax 0.10 runs it with none of the
+  # program's frames on the stack.
+  assert [m.filename for m in w if "zero1" in str(m.message)] == [__file__], [
+      (m.filename, m.lineno) for m in w]
   assert "Every misplaced leaf is whole on each device" in msg, msg
   assert "in_shardings / out_shardings" in msg, msg
   assert "jax.tree.map(lambda x: x.sharding, state)" in msg, msg

@@ -106,6 +106,10 @@ class _Report:
     self.names, self.planned, self.expected = names, planned, expected
     self.whole = whole or {}   # leaf -> its bytes if whole on each device
     self.got: dict[int, tuple[int, str]] = {}
+    # The program's line while its update is traced: a compile-time report
+    # may run where no frame of the program is on the stack.
+    f = _user_frame(sys._getframe(1))   # its place, not the frame (no locals kept)
+    self.site = None if f is None else (f.f_code.co_filename, f.f_lineno, f.f_globals)
 
   def add(self, i: int, nbytes: int, how: str):
     self.got[i] = (nbytes, how)
@@ -123,7 +127,7 @@ class _Report:
     held = sum(b for b, _ in self.got.values())
     plan = sum(self.planned[i] for i in self.got)
     first = bad[0]
-    warnings.warn(
+    _warn_at_user_line(
         f"zero1: this program places zero1's optimizer state other than "
         f"zero1 planned: {len(bad)} of {len(self.got)} state leaves (e.g. "
         f"{self.names[first]}: {self.got[first][1]}, "
@@ -132,23 +136,51 @@ class _Report:
         f"device where zero1 planned {plan} B, and each step re-shards it. "
         + (fix_for_replicated()
            if all(self.got[i][0] == self.whole.get(i) for i in bad) else FIX),
-        UserWarning, stacklevel=user_stacklevel())
+        self.site)
 
 
 _LIBRARIES = ("zero1_jax", "jax", "jaxlib", "flax", "equinox", "optax")
+
+
+def _library_dirs() -> tuple[str, ...]:
+  return tuple(os.path.dirname(m.__file__) + os.sep
+               for m in map(sys.modules.get, _LIBRARIES)
+               if m is not None and getattr(m, "__file__", None))
+
+
+def _user_frame(f: Any) -> Any:
+  """The first frame from ``f`` outward outside zero1 and the libraries it
+  runs under, or None."""
+  dirs = _library_dirs()
+  while f is not None and f.f_code.co_filename.startswith(dirs):
+    f = f.f_back
+  return f
 
 
 def user_stacklevel() -> int:
   """``warnings.warn``'s stacklevel, called from the function that warns,
   of the first frame outside zero1 and the libraries it runs under (the
   program's own line: a compile-time callback runs inside jax's compile)."""
-  dirs = tuple(os.path.dirname(m.__file__) + os.sep
-               for m in map(sys.modules.get, _LIBRARIES)
-               if m is not None and getattr(m, "__file__", None))
+  dirs = _library_dirs()
   f, level = sys._getframe(2), 2
   while f is not None and f.f_code.co_filename.startswith(dirs):
     f, level = f.f_back, level + 1
   return level if f is not None else 2
+
+
+def _warn_at_user_line(message: str, site: Any) -> None:
+  """Warns at the program's line on the stack, else at ``site`` (its
+  ``(filename, lineno, globals)`` recorded while the update was traced:
+  jax 0.10's compile runs the report's callback with none of the program's
+  frames on the stack)."""
+  if _user_frame(sys._getframe(1)) is not None or site is None:
+    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
+    return
+  filename, lineno, g = site
+  warnings.warn_explicit(message, UserWarning, filename, lineno,
+                         module=g.get("__name__"),
+                         registry=g.setdefault("__warningregistry__", {}),
+                         module_globals=g)
 
 
 def check(state: Any, specs: Any, sizes: Mapping[str, int],
