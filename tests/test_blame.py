@@ -50,6 +50,10 @@ CASES = {
     "inject_hyperparams": (
         lambda: optax.inject_hyperparams(optax.lamb)(learning_rate=1e-3),
         "optax.inject_hyperparams(optax.lamb): reduce_sum"),
+    # Its 'muon' group cannot run alone on the 1-D params (Newton-Schulz
+    # wants matrices), the 'adam' group passes: the group is named.
+    "muon": (lambda: optax.contrib.muon(1e-3),
+             "optax.chain (group 'muon' of optax.partition): reshape"),
     "one's own": (lambda: optax.chain(optax.scale_by_adam(), _own_reduction()),
                   "optax.stateless(test_blame._own_reduction.<locals>.<lambda>) "
                   "(element 1 of optax.chain): reduce_sum"),

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import optax
 
+from zero1_jax.core.extra_args import UNTRACEABLE as _UNTRACEABLE
+
 _MAX_DEPTH = 8
 
 
@@ -142,6 +144,7 @@ def locate(tx: Any, why: str, check: Callable[[Any], str | None]) -> str:
   path = [("", name(tx))]
   node, kind = tx, _kind(why)
   for _ in range(_MAX_DEPTH):
+    refused = []   # the parts refused alone, for any reason
     for place, part in parts(node):
       try:
         got = check(part)
@@ -151,8 +154,17 @@ def locate(tx: Any, why: str, check: Callable[[Any], str | None]) -> str:
         path.append((place, name(part)))
         node = part
         break
+      if got:
+        refused.append((place, part, _UNTRACEABLE in got))
     else:
-      break
+      # The one part refused alone, which could not run on every param (a
+      # partition's group meant for some: optax.contrib.muon's on the 1-D
+      # ones): the refusal is in it. A part refused for a reason of its own
+      # is not blamed for the whole's.
+      if len(refused) != 1 or not refused[0][2]:
+        break
+      place, node, _ = refused[0]
+      path.append((place, name(node)))
   where = [f"{place} of {path[i - 1][1]}" if place else f"in {path[i - 1][1]}"
            for i, (place, _) in reversed(list(enumerate(path))) if i]
   return path[-1][1] + (f" ({', '.join(where)})" if where else "")
