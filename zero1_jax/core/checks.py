@@ -14,10 +14,6 @@ from zero1_jax.core import layout as lay
 from zero1_jax.core.state import stores_master
 
 
-def leaves_with_none(tree) -> list:
-  return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
-
-
 def check_master(state, layout: lay.Layout, master_dtype) -> list:
   """``state.master``'s leaves (None where not stored), or a ValueError that
   says which parameter's dtype differs from the one the state was built for."""

@@ -173,7 +173,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
           chain=gpu_like, across_hosts=apart)(a)
       if lookups:   # the lookups' gradient, summed over every device already
         g, g_tables = g
-        g = _add_tables(g, g_tables)
+        g = _add_tables(g, g_tables, layout.treedef)
       if has_aux:
         aux = aux_.reduce(aux, rows, aux_reduce, axis)
       return jax.lax.pmean(loss, axis), aux, g
@@ -232,10 +232,11 @@ def _pieces(args: tuple, argnums: tuple, n: int) -> tuple:
       for i, a in enumerate(args))
 
 
-def _add_tables(g: Any, g_tables: dict) -> Any:
+def _add_tables(g: Any, g_tables: dict, treedef: Any) -> Any:
   """``g`` (this device's summed shards) with the lookups' gradient of each
-  table leaf (its column block, summed over every device's tokens) added."""
-  leaves, treedef = jax.tree.flatten(g, is_leaf=lambda x: x is None)
+  table leaf (its column block, summed over every device's tokens) added;
+  ``treedef``: the params' (a None of the program's own is no leaf)."""
+  leaves = treedef.flatten_up_to(g)
   for i, v in g_tables.items():
     leaves[i] = leaves[i] + v.reshape(leaves[i].shape).astype(leaves[i].dtype)
   return treedef.unflatten(leaves)

@@ -70,9 +70,11 @@ def inner_step(inner: optax.GradientTransformation, layout: lay.Layout,
     new_inner = keep(inner_state, new_inner)
     updates = upd.zero_where(skipped, updates)
   u = jax.tree.map(lambda _, x: x, view, updates)   # view's structure
-  # (new master, u) per leaf: offload's streaming carries them as one.
-  return list(zip(chk.leaves_with_none(new_view),
-                  chk.leaves_with_none(u))), new_inner
+  # (new master, u) per leaf: offload's streaming carries them as one. Up to
+  # the params' leaves: a None of the program's own (Equinox's filtered-out
+  # leaves) is no leaf, where a static leaf's None is one.
+  return list(zip(layout.treedef.flatten_up_to(new_view),
+                  layout.treedef.flatten_up_to(u))), new_inner
 
 
 def update(inner: optax.GradientTransformation, cfg: Any, layout: lay.Layout,
