@@ -124,3 +124,54 @@ def test_init_before_anything_is_placed_names_mesh_keyword():
   with pytest.raises(ValueError, match=r"no mesh with axis 'data'.*Equinox.*"
                      r"z1\.zero1\(opt, axis_name='data', mesh=mesh\)"):
     tx.init(eqx.filter(_mlp(), eqx.is_inexact_array))
+
+
+def _cnn():
+  """Equinox's CNN example in small: its filtered tree holds None where the
+  pooling, the Lambda and the activations are (before and between the
+  arrays), and its static part MaxPool2d's Python float init, -inf."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return eqx.nn.Sequential([
+      eqx.nn.Conv2d(1, 2, 3, key=k1), eqx.nn.MaxPool2d(2),
+      eqx.nn.Lambda(jax.nn.relu), eqx.nn.Lambda(jnp.ravel),
+      eqx.nn.Linear(2 * 5 * 5, 3, key=k2)])
+
+
+@pytest.mark.parametrize("grad", ["jax", "z1"])
+def test_a_cnn_with_pooling_and_lambdas_trains_as_optax(grad):
+  """eqx.filter_value_and_grad's loop (grad="jax") and z1.value_and_grad on
+  the eqx.partition'ed model (grad="z1": the static half's Python numbers
+  reach the loss as numbers, as jax.value_and_grad hands them)."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  data = NamedSharding(mesh, P("data"))
+  xs = jax.random.normal(jax.random.key(1), (K, 16, 1, 8, 8))
+  ys = jax.random.normal(jax.random.key(2), (K, 16, 3))
+  loss = lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+  def train(tx, zero1_grad):
+    model = _cnn()
+    state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, state, x, y):
+      diff, static = eqx.partition(model, eqx.is_inexact_array)
+      if zero1_grad:
+        _, g = z1.value_and_grad(lambda d, s, x, y: loss(eqx.combine(d, s), x, y),
+                                 tx, batch_argnums=(2, 3))(diff, static, x, y)
+      else:
+        _, g = eqx.filter_value_and_grad(loss)(model, x, y)
+      u, state = tx.update(g, state, diff)
+      return eqx.apply_updates(model, u), state
+
+    for x, y in zip(xs, ys):
+      model, state = step(model, state, *jax.device_put((x, y), data))
+    return model, state
+
+  want, _ = train(optax.adam(1e-2), False)
+  got, state = train(z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh),
+                     grad == "z1")
+  assert_close(jax.tree.leaves(eqx.filter(got, eqx.is_array)),
+               jax.tree.leaves(eqx.filter(want, eqx.is_array)), RTOL, "cnn ")
+  for x in jax.tree.leaves(state):
+    if x.ndim:
+      assert x.addressable_shards[0].data.size * 8 == x.size, x.sharding

@@ -182,3 +182,20 @@ def test_grad_has_aux_and_argument_checks():
     z1.value_and_grad(f, optax.sgd(0.1))
   with pytest.raises(ValueError, match="position 0 is the params"):
     z1.value_and_grad(f, tx, batch_argnums=(0,))
+
+
+def test_python_numbers_in_other_arguments_reach_fun_as_numbers():
+  """As jax.value_and_grad hands its non-differentiated arguments: an int
+  that ``fun`` loops over (``range(n)``) stays an int, not a tracer."""
+  def f(p, x, n):
+    h = x
+    for _ in range(n):
+      h = jnp.tanh(h @ p["w"])
+    return jnp.mean(h ** 2)
+  with jax.set_mesh(mesh(N)):
+    tx = z1.zero1(optax.sgd(0.1), axis_name="data")
+    params = {"w": jnp.eye(4) * 0.5}
+    x = jnp.linspace(-1, 1, 64).reshape(16, 4)
+    got = jax.jit(lambda p, x: z1.value_and_grad(f, tx)(p, x, 2)[0])(params, x)
+    want = jax.jit(lambda p, x: jax.value_and_grad(f)(p, x, 2)[0])(params, x)
+  np.testing.assert_allclose(float(got), float(want), rtol=FP32_SCALAR_REORDER)

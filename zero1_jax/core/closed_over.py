@@ -4,7 +4,7 @@ closes over.
 ``z1.value_and_grad`` runs the loss per device inside a ``shard_map``, which
 takes arrays only. ``jax.value_and_grad`` takes any pytree after the params:
 an Equinox model's static part (``eqx.partition``: functions, activation
-choices), a string, None. :func:`split_static` takes such leaves out of the
+choices, Python numbers), a string, None. :func:`split_static` takes such leaves out of the
 arguments and puts them back inside, closed over.
 
 A closed-over array is whole on every device inside that ``shard_map``: a
@@ -46,10 +46,11 @@ CLOSED_OVER = (
 
 
 def _is_array(x) -> bool:
-  """What a ``shard_map`` takes (Python scalars too, as jax.value_and_grad
-  traces them)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
-                        complex, bool))
+  """What the ``shard_map`` takes: arrays. Python and numpy scalars stay
+  as they are, as ``jax.value_and_grad`` hands its non-differentiated
+  arguments to ``fun`` (``range(n)`` on an int argument; Equinox's
+  ``MaxPool2d(init=-inf)`` in a model's static part)."""
+  return isinstance(x, (jax.Array, np.ndarray))
 
 
 def split_static(args: tuple) -> tuple[tuple, Callable[[tuple], tuple]]:
