@@ -123,6 +123,10 @@ def test_batch_mismatch_says_what_would_hold():
       "hold with the other two; or leave one of the three out", ws=4)
   err(dict(seed, train_batch_size=30), "train_batch_size must be a multiple "
       "of micro batch x devices = 16", ws=4)
+  # the micro batch left out (derived 7 from 60 on 8): what 60 must divide by
+  err({"train_batch_size": 60}, "60 != 7 * 1 * 8 (train_batch_size must be a "
+      "multiple of devices x gradient_accumulation_steps = 8; the values not "
+      "given were derived from 60 on 8 devices)", ws=8)
 
 
 def test_batch_errors():
@@ -134,7 +138,13 @@ def test_batch_errors():
   err({"train_batch_size": 8, "gradient_accumulation_steps": 0},
       "Gradient accumulation steps: 0")
   err({"train_batch_size": 8.5}, "train_batch_size must be an integer")
-  err({"train_batch_size": "auto"}, "'auto' must be filled in")
+  err({"train_batch_size": "auto"}, "train_batch_size is 'auto', which must "
+      "be filled in")
+  # every "auto" at once, as the HF Trainer's JSONs carry several
+  err({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
+      "train_batch_size, train_micro_batch_size_per_gpu, "
+      "scheduler.params.warmup_max_lr are 'auto'")
 
 
 def test_world_size_defaults_to_jax_device_count():
@@ -336,6 +346,9 @@ def test_unknown_top_level_key_warns_naming_the_close_match():
                     r"ignored: DeepSpeed 0\.19 ignores"):
     cfg = base(gradient_clip=0.5)
   assert cfg.gradient_clipping == 1.0          # ignored, not read as clipping
+  with pytest.warns(UnknownKeyWarning, match="'gradient_clipping' is not set, "
+                    "so its default applies"):
+    base(gradient_clippping=0.5)
   with pytest.warns(UnknownKeyWarning, match="'cuda_visible_devices' ignored"):
     assert base(cuda_visible_devices="0,1").train_batch_size == 8
 

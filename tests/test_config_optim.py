@@ -169,7 +169,7 @@ def test_optimizer_param_rules(caplog):
   d["optimizer"]["params"] = {"bias_correction": False, "torch_adam": True}
   err(d, "unknown key 'bias_correction'")
   d["optimizer"]["params"] = {"lr": "auto"}
-  err(d, "optimizer.params.lr='auto'")
+  err(d, "optimizer.params.lr is 'auto', which must be filled in")
   with caplog.at_level(logging.INFO, logger="zero1_jax"):
     opt_cfg("Adam", set_grad_none=True)
   assert caplog.text.count("optimizer.params.set_grad_none") == 1

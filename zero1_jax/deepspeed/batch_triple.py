@@ -23,6 +23,8 @@ def resolve(raw: Mapping, ws: int) -> tuple[int, int, int]:
   names = ("train_batch_size", "train_micro_batch_size_per_gpu",
            "gradient_accumulation_steps")
   tb, mb, ga = (None if raw.get(k) is None else as_int(k, raw[k]) for k in names)
+  given = None not in (tb, mb, ga)
+  mb_derived = raw.get(names[1]) is None
   if ga is not None and ga <= 0:
     raise ConfigError(f"Gradient accumulation steps: {ga} has to be greater "
                       "than 0")
@@ -50,13 +52,17 @@ def resolve(raw: Mapping, ws: int) -> tuple[int, int, int]:
     # DeepSpeed's words, then which value would make the rule hold.
     fix = (f"gradient_accumulation_steps {tb // (mb * ws)} would make it hold "
            f"with the other two" if tb % (mb * ws) == 0 else
+           f"train_batch_size must be a multiple of devices x "
+           f"gradient_accumulation_steps = {ws * ga}" if mb_derived else
            f"train_batch_size must be a multiple of micro batch x devices = "
            f"{mb * ws}")
+    rest = ("; or leave one of the three out, or \"auto\" in zero1-train, "
+            "and it is derived" if given else
+            f"; the values not given were derived from {tb} on {ws} devices")
     raise ConfigError(
         "Check batch related parameters. train_batch_size is not equal to "
         "micro_batch_per_gpu * gradient_acc_step * world_size "
-        f"{tb} != {mb} * {ga} * {ws} ({fix}; or leave one of the three out, "
-        f"or \"auto\" in zero1-train, and it is derived)")
+        f"{tb} != {mb} * {ga} * {ws} ({fix}{rest})")
   return tb, mb, ga
 
 

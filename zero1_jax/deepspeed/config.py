@@ -131,12 +131,31 @@ def _unknown(key: str, section: str, known) -> ConfigError:
   return ConfigError(f"unknown key '{key}' in section '{section}'{hint}")
 
 
-def _unknown_top(key: str) -> str:
+def _unknown_top(key: str, raw: Mapping) -> str:
   close = difflib.get_close_matches(key, sorted(keys.TOP_LEVEL), n=1,
                                     cutoff=0.6)
   hint = f" (did you mean '{close[0]}'?)" if close else ""
+  unset = (f"; '{close[0]}' is not set, so its default applies"
+           if close and close[0] not in raw else "")
   return (f"unknown top-level key '{key}'{hint} ignored: DeepSpeed 0.19 ignores "
-          "top-level keys it does not know, and so does zero1_jax")
+          f"top-level keys it does not know, and so does zero1_jax{unset}")
+
+
+def _refuse_auto(raw: Mapping) -> None:
+  """Every ``"auto"`` value still in the config, named at once (the HF
+  Trainer fills them in; DeepSpeed itself does not)."""
+  found = [k for k, v in raw.items() if v == "auto" and k in keys.TOP_LEVEL
+           and k not in monitor.SECTIONS]
+  for sec in ("optimizer", "scheduler"):
+    params = raw.get(sec, {}).get("params") if isinstance(raw.get(sec), Mapping) else None
+    if isinstance(params, Mapping):
+      found += [f"{sec}.params.{k}" for k, v in params.items() if v == "auto"]
+  if found:
+    raise ConfigError(
+        f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} 'auto', "
+        "which must be filled in before loading (the HF Trainer does that, "
+        "DeepSpeed does not): give the values, or run the config through "
+        "zero1-train, which fills them in")
 
 
 _NOTED: set[str] = set()   # info lines already logged in this process
@@ -292,12 +311,10 @@ def _build(raw: Mapping, world_size: int | None, source: str | None
   removed = keys.removed_key_error(raw)   # DeepSpeed checks these first
   if removed:
     raise ConfigError(removed)
-  for k, v in raw.items():
+  _refuse_auto(raw)   # monitor sections' "auto" is dropped
+  for k in raw:
     if k not in keys.TOP_LEVEL:
-      _PENDING.append(("", _unknown_top(k), UnknownKeyWarning))
-    elif v == "auto" and k not in monitor.SECTIONS:  # those: dropped
-      raise ConfigError(f"{k}='auto' must be filled in before loading (the HF "
-                        "Trainer does that, DeepSpeed does not)")
+      _PENDING.append(("", _unknown_top(k, raw), UnknownKeyWarning))
   if world_size is None:
     import jax  # pylint: disable=import-outside-toplevel
     world_size = jax.device_count()
