@@ -64,7 +64,7 @@ def test_engine_equals_optax_with_clipping_and_accumulation(reduce_scatter):
   assert np.isfinite(float(m["loss"]))
 
 
-def test_engine_fp16_keeps_an_fp32_master_and_counts_skips():
+def test_engine_fp16_keeps_an_fp32_master_and_counts_skips(caplog):
   cfg = {**SEED_CONFIG, "fp16": {"enabled": True, "initial_scale_power": 30,
                                  "hysteresis": 1}}
   engine = z1.initialize(cfg, loss_fn=loss_fn, params=float_part(odd_params()),
@@ -72,12 +72,17 @@ def test_engine_fp16_keeps_an_fp32_master_and_counts_skips():
   assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(engine.params))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(engine.opt_state.master))
   scales = []
-  for i in range(4):
-    engine.train_batch(batch(32, seed=i))
-    scales.append(engine.loss_scale)
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    for i in range(4):
+      engine.train_batch(batch(32, seed=i))
+      scales.append(engine.loss_scale)
   assert engine.global_steps == 4
   assert engine.skipped_steps >= 1          # 2^30 overflows fp16 at first
   assert scales[0] == 2.0 ** 29
+  # each skip says so, as DeepSpeed's loss scaler does (loss_scaler.py 273-277)
+  assert caplog.text.count("OVERFLOW! Rank 0 Skipping step.") == engine.skipped_steps
+  assert ("Attempted loss scale: 1073741824, reducing to 536870912"
+          in caplog.text), caplog.text
 
 
 def test_engine_raises_like_deepspeed_at_minimum_scale():
@@ -91,7 +96,7 @@ def test_engine_raises_like_deepspeed_at_minimum_scale():
     engine.train_batch(batch(32))
 
 
-def test_engine_at_minimum_scale_with_hysteresis_left_raises_only_when_due():
+def test_engine_at_minimum_scale_with_hysteresis_left_raises_only_when_due(caplog):
   """DeepSpeed's DynamicLossScaler (runtime/fp16/loss_scaler.py): at the
   minimum scale with hysteresis 2, the first overflow only uses up one
   hysteresis (skipped, no error); the second, due to halve, raises."""
@@ -101,8 +106,12 @@ def test_engine_at_minimum_scale_with_hysteresis_left_raises_only_when_due():
   engine = z1.initialize(cfg, loss_fn=boom, params=float_part(odd_params()),
                          mesh=mesh(4))
   assert engine.loss_scale == 1.0
-  engine.train_batch(batch(32))                       # hysteresis 2 -> 1
+  with caplog.at_level(logging.INFO, logger="zero1_jax"):
+    engine.train_batch(batch(32))                     # hysteresis 2 -> 1
   assert engine.skipped_steps == 1
+  # DeepSpeed's line (runtime/fp16/loss_scaler.py 281-284, 0.19.6)
+  assert ("OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1, but "
+          "hysteresis is 2. Reducing hysteresis to 1") in caplog.text
   with pytest.raises(RuntimeError, match="loss scale already at minimum"):
     engine.train_batch(batch(32))
 

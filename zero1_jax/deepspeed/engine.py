@@ -132,8 +132,9 @@ class Engine:
     dynamic = f.enabled and f.dynamic_loss_scale
     # DeepSpeed raises on an overflow only where it would halve the scale
     # (hysteresis used up) and the scale is at its minimum already.
-    due = dynamic and (int(f.hysteresis) == 1 or
-                       int(self.opt_state.loss_scale.hysteresis) == 1)
+    tried = (float(self.opt_state.loss_scale.scale),
+             int(self.opt_state.loss_scale.hysteresis)) if dynamic else None
+    due = dynamic and (int(f.hysteresis) == 1 or tried[1] == 1)
     self.params, self.opt_state, metrics = self._step(
         self.params, self.opt_state, batch)
     self.global_steps += 1
@@ -142,6 +143,9 @@ class Engine:
       self._write_monitor(metrics)
     if bool(metrics["skipped"]):
       self.skipped_steps += 1
+      if jax.process_index() == 0:
+        logger.info(_overflow_line(tried, due,
+                                   float(self.opt_state.loss_scale.scale)))
       if due and float(metrics["loss_scale"]) <= float(f.min_loss_scale):
         lower = (", or lower fp16.min_loss_scale" if float(f.min_loss_scale) > 1
                  else "")
@@ -364,3 +368,17 @@ def initialize(config: str | os.PathLike | Mapping | zconfig.DeepSpeedConfig
                   has_aux=has_aux)
   memory_log.log(engine)   # DeepSpeed's Before/After lines, process 0
   return engine
+
+
+def _overflow_line(tried: tuple | None, halved: bool, new_scale: float) -> str:
+  """DeepSpeed's INFO line for a skipped step (runtime/fp16/loss_scaler.py
+  273-285, 0.19.6): ``tried`` the dynamic scale and hysteresis the step
+  ran with (None: no dynamic scale, the bare line)."""
+  line = "OVERFLOW! Rank 0 Skipping step."
+  if tried is None:
+    return line
+  scale, hysteresis = tried
+  if halved:
+    return f"{line} Attempted loss scale: {int(scale)}, reducing to {int(new_scale)}"
+  return (f"{line} Attempted loss scale: {int(scale)}, but hysteresis is "
+          f"{hysteresis}. Reducing hysteresis to {hysteresis - 1}")
