@@ -22,7 +22,7 @@ ALLOWED = {
     "core": {"core"},
     "checkpoint": {"core", "checkpoint"},
     "flax": {"core"},
-    "distributed": set(),
+    "distributed": {"distributed"},
     "inspect": {"inspect"},
     "data": set(),
     "models": {"models"},
