@@ -42,14 +42,22 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import layout as lay
 from zero1_jax.core import param_axes as pax
+from zero1_jax.core import sharded_grads as sg
 from zero1_jax.core import shardings as zsh
 from zero1_jax.core.state import Zero1State
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "sharding"))
 def _unpad(x: jax.Array, shape: tuple[int, ...], sharding: Any) -> jax.Array:
-  x = x[tuple(slice(0, s) for s in shape)]
-  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+  # Inside the user's jit on an Explicit data axis the leaf's type is
+  # sharded, and JAX cuts a sharded dim only to a multiple of the axis:
+  # sharded_grads.cut makes it whole first.
+  x = sg.cut(x, shape)
+  if sharding is None:
+    return x
+  if sg.explicit(x):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def _target(x: Any, param: Any, axis: str) -> Any:

@@ -75,7 +75,7 @@ def _remember(leaf, shard, groups) -> None:
                   shard, groups)
 
 
-def _cut(g, shape) -> Any:
+def cut(g, shape) -> Any:
   """``g`` without the padding past ``shape``. On an Explicit data axis JAX
   slices a sharded dim only to a multiple of the axis: such a leaf is made
   whole first (XLA drops it all if nothing but ``tx.update`` reads it)."""
@@ -85,8 +85,19 @@ def _cut(g, shape) -> Any:
   parts = () if spec is None else (
       tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec))
   if any(e is not None for e in parts):   # typed sharded: Explicit axes
-    g = jax.sharding.reshard(g, jax.sharding.PartitionSpec())
+    whole = jax.sharding.PartitionSpec()
+    if jax.sharding.get_abstract_mesh().empty:   # no jax.set_mesh: the
+      whole = jax.sharding.NamedSharding(jax.typeof(g).sharding.mesh, whole)
+    g = jax.sharding.reshard(g, whole)            # mesh of g's type
   return g[tuple(slice(0, d) for d in shape)]
+
+
+def explicit(x) -> bool:
+  """Whether ``x``'s type carries its sharding: a traced value on a mesh
+  with Explicit axes (``jax.make_mesh``'s default)."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  return any(t == jax.sharding.AxisType.Explicit
+             for t in getattr(mesh, "axis_types", ()) or ())
 
 
 class Published(NamedTuple):
@@ -116,7 +127,7 @@ def publish(shards: Any, params: Any, n: int,
       _remember(z, None, groups)
       out.append(z)
       continue
-    g = _cut((s / n).astype(s.dtype), jnp.shape(p))
+    g = cut((s / n).astype(s.dtype), jnp.shape(p))
     _remember(g, s, groups)
     out.append(g)
   return treedef.unflatten(out)
