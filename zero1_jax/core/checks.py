@@ -39,6 +39,48 @@ def check_master(state, layout: lay.Layout, master_dtype) -> list:
   return leaves
 
 
+WHOLE_STATE = (
+    "zero1: opt_state{path} has shape {got}, but this device's shard of it is "
+    "{want}. Inside jax.pmap or shard_map each device holds its own 1/N "
+    "shards of the state; a state handed whole to every device (pmap's "
+    "in_axes=None, flax's jax_utils.replicate, shard_map's in_specs=P()) "
+    "would broadcast against the gradient's shard. Create the state where "
+    "the step runs (jax.pmap(tx.init), or TrainState.create inside "
+    "jax.pmap) and map it over the devices (in_axes=0); give shard_map "
+    "in_specs from z1.state_shardings(tx, params, mesh) (their .spec); or "
+    "step in plain jax.jit on a mesh, where the state stays global "
+    "(docs/forms.md).")
+
+
+def check_state_shapes(inner, layout: lay.Layout, state, stored: list,
+                       view: list) -> None:
+  """Inside shard_map or pmap: ``state``'s sharded leaves have this
+  device's shard shapes, those of ``inner.init`` on the master shards
+  ``view`` (:func:`.inner_update.master_view`) and of the stored masters;
+  a ValueError (:data:`WHOLE_STATE`) naming the first that has not. Trees
+  that differ are left to the checks that name them."""
+  for i, (m, s) in enumerate(zip(stored, layout.leaves)):
+    if m is not None and tuple(jnp.shape(m)) != tuple(s.shard_shape):
+      path = jax.tree_util.keystr(_leaf_path(layout, i))
+      raise ValueError(WHOLE_STATE.format(path=".master" + path,
+                                          got=tuple(jnp.shape(m)),
+                                          want=tuple(s.shard_shape)))
+  want = jax.eval_shape(inner.init, layout.inner_tree(view))
+  if jax.tree.structure(want) != jax.tree.structure(state.inner):
+    return
+  got = jax.tree_util.tree_flatten_with_path(state.inner)[0]
+  for (path, g), w in zip(got, jax.tree.leaves(want)):
+    if tuple(jnp.shape(g)) != tuple(w.shape):
+      raise ValueError(WHOLE_STATE.format(
+          path=".inner" + jax.tree_util.keystr(path), got=tuple(jnp.shape(g)),
+          want=tuple(w.shape)))
+
+
+def _leaf_path(layout: lay.Layout, i: int) -> tuple:
+  return jax.tree_util.tree_flatten_with_path(
+      layout.treedef.unflatten([0] * len(layout.leaves)))[0][i][0]
+
+
 def check_tree(what: str, tree, layout: lay.Layout, blocks: bool = False
                ) -> list:
   """Leaves of ``tree``; ValueError naming the first path that differs.

@@ -148,11 +148,13 @@ def _telling(state: Any) -> list:
 
 def _scalar(x: Any) -> Any:
   """A replicated scalar's value on this host (its first local copy: no
-  collective, so it holds in a multi-process run too)."""
+  collective, so it holds in a multi-process run too); stacked one per
+  device by ``jax.pmap``, the first device's."""
   x = _value(x)
   if isinstance(x, jax.Array):
     x = x.addressable_data(0)
-  return np.asarray(x)
+  x = np.asarray(x)
+  return x.reshape(-1)[0] if x.ndim and x.size else x
 
 
 def _all_zero(x: Any) -> bool:

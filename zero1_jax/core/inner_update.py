@@ -88,6 +88,7 @@ def update(inner: optax.GradientTransformation, cfg: Any, layout: lay.Layout,
   ``params_given`` (``params`` then stand-ins, :mod:`.params_free`)."""
   stored = chk.check_master(state, layout, cfg.master_dtype)
   view = master_view(stored, params, layout, cfg.axis_name, shards_in)
+  chk.check_state_shapes(inner, layout, state, stored, view)   # not whole
   g_list = [grads.get(i) for i in range(len(layout.leaves))]
 
   def step(g_list, inner_state, view):

@@ -241,10 +241,11 @@ class _Calls:
       updates, new_state = jm.update(tx, grads, state, params, extra_args,
                                      params_given=given)
       new_state = boxes.rebox(state, new_state)
-    else:
-      updates, new_state, _ = tx.apply(grads, state, params, LOCAL,
-                                       extra_args=extra_args, as_updates=True,
-                                       params_given=given)
+    else:   # inside shard_map or pmap: this device's shards
+      updates, new_state, _ = tx.apply(grads, boxes.strip(state), params,
+                                       LOCAL, extra_args=extra_args,
+                                       as_updates=True, params_given=given)
+      new_state = boxes.rebox(state, new_state)
     return boxes.rebox(like, updates), new_state
 
 
