@@ -232,3 +232,38 @@ def test_nnx_optimizer_sharding_metadata_is_said_not_applied():
       warnings.simplefilter("error")
       nnx.Optimizer(same, z1.zero1(optax.adam(1e-2), axis_name="data"),
                     wrt=nnx.Param)
+
+
+def test_nnx_optimizer_with_the_mesh_given_to_zero1_outside_set_mesh():
+  """The fix zero1's no-mesh error names, ``zero1(..., mesh=mesh)``, for an
+  ``nnx.Optimizer`` built outside ``jax.set_mesh``: nnx wraps each state
+  leaf in a Variable whose ``out_sharding`` flax places only on the
+  context's mesh or the Variable's own (before: flax's "An auto mesh context
+  or metadata is required"). The leaves carry the mesh; the optimizer
+  trains as optax's nnx.Optimizer with the moments 1/N."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), jnp.float32)
+
+  def run(tx):
+    model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+      loss, g = nnx.value_and_grad(lambda m: jnp.mean(jnp.tanh(m(x)) ** 2))(model)
+      opt.update(model, g)
+      return loss
+
+    for _ in range(3):
+      step(model, opt)
+    moments = [v for v in jax.tree.leaves(nnx.state(opt)) if jnp.ndim(v) > 0]
+    on_0 = sum(s.data.nbytes for v in moments for s in v.addressable_shards
+               if s.device == jax.devices()[0])
+    return nnx.state(model, nnx.Param), on_0
+
+  want, optax_bytes = run(optax.adam(1e-2))
+  got, zero1_bytes = run(z1.zero1(optax.adam(1e-2), axis_name="data",
+                                  mesh=mesh(N)))
+  assert_close(jax.tree.map(lambda v: v[...], got),
+               jax.tree.map(lambda v: v[...], want), FP32_REORDER, "nnx ")
+  assert optax_bytes == 2 * 4 * (8 * 16 + 16)
+  assert zero1_bytes == optax_bytes // N

@@ -307,7 +307,8 @@ def strip_state_boxes(tree: Any) -> Any:
 
 def box_state(state: Any, specs: Any, like: Any, rules: Any = (),
               sizes: Mapping[str, int] | None = None,
-              data_axis: str | None = None, bare: bool = False) -> Any:
+              data_axis: str | None = None, bare: bool = False,
+              mesh: Any = None) -> Any:
   """``state`` with each sharded leaf wrapped as ``like``'s params are
   wrapped, its metadata naming its spec in ``specs``. Each state leaf takes
   the wrapper of the parameter whose path its path ends with (optax states
@@ -324,7 +325,12 @@ def box_state(state: Any, specs: Any, like: Any, rules: Any = (),
   (:func:`state_box_class`, an ``nn.Partitioned``), since flax derives
   shardings from an abstract state only through boxes
   (``nn.get_sharding(jax.eval_shape(init), mesh)``; a bare leaf is ``P()``,
-  replicated)."""
+  replicated).
+
+  ``mesh``: where no ``jax.set_mesh`` names one, the mesh the state is on,
+  kept in nnx Variables' metadata (``mesh``): ``nnx.Optimizer`` wraps each
+  state leaf in a Variable, and flax places a Variable created with an
+  ``out_sharding`` only on the context's mesh or its own."""
   found = _param_boxes(like)
   if not found:
     if not bare or sys.modules.get("flax.core.meta") is None:
@@ -342,6 +348,8 @@ def box_state(state: Any, specs: Any, like: Any, rules: Any = (),
     meta = {k: v for k, v in template.get_metadata().items()
             if k not in _DROP}
     meta["out_sharding"] = tuple(spec)
+    if mesh is not None and meta.get("mesh") is None:
+      meta["mesh"] = mesh
     return type(template).from_metadata(x, meta)
   return _map_sharded(state, specs, wrap, with_key=True)
 

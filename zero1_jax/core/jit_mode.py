@@ -178,8 +178,11 @@ def init(tx: Any, params: Any, like: Any = None) -> Any:
            or getattr(tx, "seen_rules", ()))
   # zero1(mesh=) outside jax.set_mesh: a program placing what it derives
   # from the (abstract) state's metadata, e.g. nn.get_sharding.
-  bare = tx.config.mesh is not None and jax.sharding.get_abstract_mesh().empty
-  return boxes.box_state(state, specs, like, rules, sizes, axis, bare=bare)
+  no_context = jax.sharding.get_abstract_mesh().empty
+  bare = tx.config.mesh is not None and no_context
+  own = mesh if no_context and isinstance(mesh, jax.sharding.Mesh) else None
+  return boxes.box_state(state, specs, like, rules, sizes, axis, bare=bare,
+                         mesh=own)
 
 
 def _as_blocks(grads: Any, g_specs: Any, layout: lay.Layout, mesh: Any,
