@@ -96,6 +96,28 @@ def test_multisteps_counters_and_acc_grads():
     assert not np.any(np.asarray(acc[k])[want.shape[0]:])   # the padding
 
 
+def test_multisteps_methods_on_the_wrapped_optimizer():
+  """``opt.has_updated(state)`` after only the optimizer line changed
+  (``tx = z1.zero1(optax.MultiSteps(...))``; before: AttributeError), as
+  optax's MultiSteps answers it each step; ``gradient_transformation()``
+  is the zero1 transformation itself, never the unsharded one."""
+  opt = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3)
+  tx = z1.zero1(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3),
+                axis_name="data")
+  assert tx.gradient_transformation() is tx
+  t = opt.init(PARAMS)
+  with jax.set_mesh(mesh(N)):
+    s = tx.init(PARAMS)
+    said = []
+    for _ in range(4):
+      _, s = _step(tx, s)
+      _, t = opt.update(GRADS, t, PARAMS)
+      said.append((bool(tx.has_updated(s)), bool(opt.has_updated(t))))
+  assert said == [(False, False), (False, False), (True, True), (False, False)]
+  with pytest.raises(AttributeError, match="not optax.MultiSteps"):
+    z1.zero1(optax.adam(1e-2), axis_name="data").has_updated(s)
+
+
 def test_a_name_neither_has_says_where_to_look():
   tx = z1.zero1(optax.adam(1e-2), axis_name="data")
   with jax.set_mesh(mesh(N)):

@@ -164,4 +164,21 @@ class Zero1Transformation(optax.GradientTransformationExtraArgs):
   ``pre_reduced=True`` ``grads`` are the summed shards stage 2's backward
   produced, see :mod:`zero1_jax.core.zero2`), and ``loss_scaler(params)``
   returning the loss-scale policy for a param tree.
+
+  Wrapping ``optax.MultiSteps``, it keeps MultiSteps' own methods:
+  ``has_updated(state)`` (read on the zero1 state, which reads like
+  MultiSteps') and ``gradient_transformation()`` (this transformation).
   """
+
+  def has_updated(self, state) -> jax.Array:
+    """``optax.MultiSteps.has_updated``: whether the last update applied the
+    accumulated gradient."""
+    if not isinstance(self.inner, optax.MultiSteps):
+      raise AttributeError(
+          f"has_updated: zero1 wraps {type(self.inner).__name__}, not "
+          f"optax.MultiSteps")
+    return self.inner.has_updated(state)
+
+  def gradient_transformation(self) -> "Zero1Transformation":
+    """``optax.MultiSteps.gradient_transformation``: itself, already one."""
+    return self
