@@ -404,6 +404,7 @@ def test_damaged_steps_are_named_and_fallback_is_explicit(saved, tmp_path,
   assert "skipping step 12" in log and "never committed" in log
   assert "skipping step 11" in log and "11/state/d/" in log
   assert "skipping step 10" in log and "10/state/_METADATA" in log
+  assert ": zero1 checkpoint:" not in log   # one prefix a line, not two
   assert "restored step 3 instead (skipped [14, 12, 11, 10])" in log
   assert_equal(masters(p, s), masters(*saved.at_save), "fallback ")
   # From an explicit step, too; and a damaged manifest is named.

@@ -340,7 +340,8 @@ class Checkpointer:
       try:
         out = self._restore_one(s, tx, params_template, mesh)
       except UnreadableCheckpointError as e:
-        log.warning("zero1 checkpoint: skipping step %d: %s", s, e)
+        log.warning("zero1 checkpoint: skipping step %d: %s", s,
+                    str(e).removeprefix("zero1 checkpoint: "))
         skipped.append(s)
         continue
       if skipped:
