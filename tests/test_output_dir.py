@@ -86,7 +86,8 @@ def test_second_run_never_mixes_with_the_first(tmp_path, capsys):
   assert logged_steps(printed) == [1, 2, 3]
   # it says what it deleted (the checkpoints too: HF's flag deletes nothing)
   assert (f"--overwrite_output_dir: removed the earlier run's metrics.jsonl, "
-          f"summary.json, ds_config.json, loss_curve.png, memory.png, "
+          f"summary.json, segments.json, ds_config.json, loss_curve.png, "
+          f"memory.png, "
           f"checkpoints/ from {out}") in printed, printed
   assert steps(out) == [1, 2, 3]
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
@@ -248,3 +249,32 @@ def test_a_used_output_dir_without_checkpoints_does_not_suggest_resume(tmp_path)
   (d / "checkpoints" / "3").mkdir(parents=True)
   with pytest.raises(common.UsageError, match="Pass --resume latest to continue it"):
     rundir.check(str(d), overwrite=False, resume=None)
+
+
+def test_a_stretch_stopped_before_its_summary_keeps_its_settings(tmp_path, capsys):
+  """A run stopped by Ctrl-C or kill -9 writes no summary.json, where
+  resumes read the earlier stretches' settings from: each invocation
+  records its own in segments.json as it starts. Here: 2 steps on 4
+  devices, 2 more on 2 devices whose summary is lost (as if killed after
+  its save at step 4), then a resume on 2 devices. Before: the segments
+  began at step 4 (the first two stretches lost), and a resume after a
+  stopped stretch compared its settings with the last summarised one's
+  (a note "4 -> 2" for steps already trained on 2)."""
+  cfg = {k: v for k, v in CONFIG.items() if k != "train_batch_size"}
+  cfg["train_micro_batch_size_per_gpu"] = 2
+  out = tmp_path / "o"
+  assert run(tmp_path, out, "--max_steps", "2", "--save_steps", "2",
+             config=cfg) == 0
+  (tmp_path / "ds.json").write_text(json.dumps(cfg))
+  on_2 = ["--deepspeed", str(tmp_path / "ds.json"), "--num_devices", "2",
+          "--model_name_or_path", "bert-tiny", "--seq_len", "16",
+          "--no_progress", "--output_dir", str(out), "--resume", "latest"]
+  assert train.main(on_2 + ["--max_steps", "4", "--save_steps", "2"]) == 0
+  assert "num_devices 4 -> 2" in capsys.readouterr().out
+  (out / "summary.json").unlink()          # the stretch ends unsummarised
+  assert train.main(on_2 + ["--max_steps", "5"]) == 0
+  assert "num_devices" not in capsys.readouterr().out   # 2 -> 2: no note
+  segs = json.load(open(out / "summary.json"))["segments"]
+  assert [(g["from_step"], g["num_devices"]) for g in segs] == [
+      (0, 4), (2, 2), (4, 2)]
+  assert json.load(open(out / "segments.json")) == segs

@@ -204,20 +204,42 @@ def write_outputs(out_dir: str, history: list[dict], mem: dict, engine,
   return summary
 
 
-def _segments(out_dir: str, start: int, run: dict) -> list[dict]:
-  """Each stretch of the run with its settings, ``{"from_step": s, **run}``:
-  the earlier summary's segments that began before ``start`` (a resume; the
-  later ones were abandoned), then this invocation's."""
+SEGMENTS = "segments.json"
+
+
+def earlier_segments(out_dir: str, start: int) -> list[dict]:
+  """The stretches of the run before step ``start`` (a resume), each
+  ``{"from_step": s, **run}``: from segments.json, which each invocation
+  writes as it starts (so a run stopped by Ctrl-C or ``kill -9`` keeps its
+  stretch), else from an older run's summary.json. Stretches from
+  ``start`` on were abandoned."""
+  if not start:
+    return []
   before = []
-  if start:
+  for name in (SEGMENTS, "summary.json"):
     try:
-      with open(os.path.join(out_dir, "summary.json")) as f:
+      with open(os.path.join(out_dir, name)) as f:
         old = json.load(f)
-      before = old.get("segments") or [{"from_step": 0, **old.get("run", {})}]
+      before = (old if isinstance(old, list) else old.get("segments")
+                or [{"from_step": 0, **old.get("run", {})}])
+      break
     except (OSError, ValueError, AttributeError):
-      before = []
-  return [g for g in before if g.get("from_step", 0) < start] + [
-      {"from_step": start, **run}]
+      continue
+  return [g for g in before if g.get("from_step", 0) < start]
+
+
+def _segments(out_dir: str, start: int, run: dict) -> list[dict]:
+  """Each stretch of the run with its settings: the earlier ones, then this
+  invocation's from ``start``."""
+  return earlier_segments(out_dir, start) + [{"from_step": start, **run}]
+
+
+def start_segment(out_dir: str, start: int, run: dict) -> None:
+  """Records this invocation's stretch in segments.json as it starts
+  training from step ``start``."""
+  segments = _segments(out_dir, start, run)
+  with open(os.path.join(out_dir, SEGMENTS), "w") as f:
+    json.dump(segments, f, indent=2, allow_nan=False)
 
 
 def finite(x) -> float | None:

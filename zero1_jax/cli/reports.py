@@ -154,11 +154,10 @@ def report_setting_change(engine, args) -> None:
   """A resume with another ZeRO stage, device count, micro batch or dtype
   trains on (the checkpoint reshards) but says so; summary.json keeps each
   segment's settings under "segments"."""
-  try:
-    with open(os.path.join(args.output_dir, "summary.json")) as f:
-      before = json.load(f).get("run") or {}
-  except (OSError, ValueError):
+  earlier = common.earlier_segments(args.output_dir, engine.global_steps)
+  if not earlier:
     return
+  before = earlier[-1]   # the stretch that trained up to this step
   now = common.run_record(args, engine)
   keys = ("zero_stage", "num_devices", "num_processes",
           "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

@@ -19,8 +19,8 @@ import shutil
 
 from zero1_jax.cli.common import UsageError
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "ds_config.json",
-             "loss_curve.png", "memory.png", "checkpoints")
+RUN_FILES = ("metrics.jsonl", "summary.json", "segments.json",
+             "ds_config.json", "loss_curve.png", "memory.png", "checkpoints")
 
 
 def check(output_dir: str, *, overwrite: bool, resume: str | None) -> str:

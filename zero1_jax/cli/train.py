@@ -167,6 +167,8 @@ def run(args: argparse.Namespace) -> dict | None:
   if main_process:
     with open(os.path.join(args.output_dir, "ds_config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
+    common.start_segment(args.output_dir, engine.global_steps if resume else 0,
+                         common.run_record(args, engine))
   history = common.read_history(args.output_dir, engine.global_steps)
   log_lines = args.no_progress or not common.has_progress_bar()
   t0, start = time.perf_counter(), engine.global_steps
