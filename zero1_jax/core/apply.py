@@ -98,7 +98,7 @@ def apply(tx: Any, grads: Any, state: Zero1State, params: Any,
     sums, packed = reduce.add_reduced(sums, packed, reduced_extra)
   # 2. Norm, clip, overflow: one divisor. jit's gradients are of the global
   # mean loss already: no 1/N there.
-  scale = state.loss_scale.scale
+  scale = precision.scale_of(scaler, state.loss_scale)
   denom = (scale * (layout.num_shards if grads_are == LOCAL else 1)
            ).astype(jnp.float32)
   g = grad_norm.scale(sums, packed, layout, plan.param_axes, cfg, denom,

@@ -158,6 +158,19 @@ class DynamicLossScale:
 LossScale = NoLossScale | StaticLossScale | DynamicLossScale
 
 
+def scale_of(policy: LossScale, state: LossScaleState) -> jax.Array:
+  """The factor the loss was multiplied by: ``state.scale``, or 1 without
+  loss scaling whatever the state holds (``optax.tree_utils.tree_set(
+  opt_state, scale=...)``, meant for ``reduce_on_plateau``'s, sets this
+  field too)."""
+  if isinstance(policy, NoLossScale):
+    # Opaque to XLA, as a scale read from the state is: with a constant 1
+    # XLA rewrites the gradients' scaling arithmetic and rounds otherwise
+    # (tests/test_fp32_master.py holds a stored run bitwise).
+    return jax.lax.optimization_barrier(jnp.ones((), jnp.float32))
+  return state.scale
+
+
 def for_params(given: LossScale | None, params) -> LossScale:
   """The policy a step on ``params`` uses: ``given`` (``zero1(loss_scale=)``),
   else :class:`DynamicLossScale` (DeepSpeed's defaults) when any parameter

@@ -46,6 +46,7 @@ from zero1_jax.core import one_device
 from zero1_jax.core import order as ordering
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import platform as platforms
+from zero1_jax.core import precision
 from zero1_jax.core import shardings as zsh
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core.on_mesh import OnMesh
@@ -320,8 +321,9 @@ def _per_device(s: _Settings, storage: Storage, params,
   if keep:   # the stored shards, gathered in the order the forward reads them
     params, blocks = storage.gather(params, full, order, keep, s.platform,
                                     s.across_hosts, narrow)
+  scale = precision.scale_of(s.tx.loss_scaler(params), opt_state.loss_scale)
   grads, g_tables, metrics = lg.local_grads(
-      s, params, opt_state.loss_scale.scale, batch, order,
+      s, params, scale, batch, order,
       {i: blocks[i] for i in lookups})
   new_params, new_state, info = s.tx.apply(
       grads, opt_state, params, pre_reduced=s.hooks, order=order,
@@ -369,7 +371,8 @@ def _step_2d(s: _Settings, params, opt_state, batch, pa):
       mesh=mesh, in_specs=(rep, P(), b_specs), out_specs=(
           jax.tree.map(lambda _: P(axis), params), P()),
       axis_names={axis}, check_vma=False)(
-          params, opt_state.loss_scale.scale, batch)
+          params, precision.scale_of(s.tx.loss_scaler(params),
+                                     opt_state.loss_scale), batch)
   p_specs = pa.param_specs(params)
   g_specs = jax.tree.map(lambda sp: P(axis, *sp), p_specs,
                          is_leaf=lambda x: isinstance(x, P))
