@@ -179,6 +179,11 @@ def test_other_skips_and_powers_say_their_own(tmp_path, capsys):
                                               "initial_scale_power": 20}}, 2)
   assert "starts at 2^20 (fp16.initial_scale_power)" in \
       reports.fp16_skip_note(p20.fp16, 3)
+  # A resumed run's first skip, tried at the scale it had come down to, is
+  # no warm-up: its step line says why (a fresh clone's resume said "as
+  # expected in the first steps ... starts at 2^16" at step 24, scale 32768).
+  assert reports.fp16_skip_note(p20.fp16, 24, 2.0 ** 15) is None
+  assert reports.fp16_skip_note(p20.fp16, 1, 2.0 ** 20) is not None
 
 
 def test_steps_per_print_prints_step_lines_above_the_bar(tmp_path, capsys):

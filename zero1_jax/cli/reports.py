@@ -119,14 +119,17 @@ def step_line(row: dict, fp16: bool, engine) -> str:
   return line
 
 
-def fp16_skip_note(fp16, step: int) -> str | None:
+def fp16_skip_note(fp16, step: int, scale: float | None = None) -> str | None:
   """The first skipped step of a dynamic fp16 run, explained once (it was
   explained only in a plot legend): the loss scale starts high on purpose
   and comes down by skipping steps. None for other skips (static scale,
-  bf16, fp32: the step line says why)."""
+  bf16, fp32, or a step tried at a ``scale`` other than the initial one,
+  as after a resume: the step line says why)."""
   if not (fp16.enabled and fp16.dynamic_loss_scale):
     return None
   p = fp16.initial_scale_power
+  if scale is not None and scale != 2.0 ** p:
+    return None
   whose = "DeepSpeed's default" if p == 16 else "fp16.initial_scale_power"
   return (f"[zero1-train] fp16: step {step} skipped, as expected in the first "
           f"steps: the dynamic loss scale starts at 2^{p} ({whose}), too high "

@@ -280,7 +280,8 @@ def _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
         or row["step"] == args.max_steps or row["skipped"]):
       _say(bar, reports.step_line(row, cfg.fp16.enabled, engine))
     if main_process and row["skipped"] and not warmup_said:
-      note = reports.fp16_skip_note(cfg.fp16, row["step"])
+      note = reports.fp16_skip_note(cfg.fp16, row["step"],
+                                    row.get("loss_scale"))
       warmup_said = note is not None
       if note:
         _say(bar, note)
