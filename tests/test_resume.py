@@ -121,6 +121,27 @@ def test_a_save_cut_short_is_named_once_and_replaced(tmp_path, ref):
     np.testing.assert_array_equal(a, b)
 
 
+def test_the_first_save_cut_short_is_named_too(tmp_path, ref):
+  """Killed while writing its first checkpoint (no summary, only orbax's
+  temporary directory): --resume starts again from step 0 and names the
+  cut save in its own line, not in orbax's "not finalized" warning."""
+  shutil.copytree(ref[0], tmp_path / "run")
+  ckpt = tmp_path / "run" / "checkpoints"
+  for p in ckpt.iterdir():
+    if p.name != "2":
+      shutil.rmtree(p) if p.is_dir() else p.unlink()
+  os.rename(ckpt / "2", ckpt / "2.orbax-checkpoint-tmp")
+  (tmp_path / "run" / "summary.json").unlink()
+  resumed = subprocess.run(cmd(tmp_path, "run", "--resume", "latest"), env=ENV,
+                           capture_output=True, text=True, timeout=240)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "stopped before its first checkpoint" in resumed.stdout
+  assert (f"step 2 in {ckpt}: a save cut short, never loaded; replaced "
+          f"when saved again") in resumed.stdout
+  assert "not finalized" not in resumed.stderr, resumed.stderr[-2000:]
+  assert checkpoint.committed_steps(ckpt)[-1] == STEPS
+
+
 def test_corrupt_latest_checkpoint_falls_back_only_when_asked(tmp_path, ref):
   ref_dir, want = ref
   shutil.copytree(ref_dir, tmp_path / "run")      # a finished run to corrupt

@@ -41,6 +41,7 @@ def wanted(args, ckpt_dir: str) -> bool:
     print(f"[zero1-train] --resume {args.resume}: the run in {args.output_dir} "
           f"stopped before its first checkpoint; starting it again from step 0",
           flush=True)
+    reports.report_unfinished_saves(ckpt_dir)   # that first save, cut short
     return False
   raise common.UsageError(
       f"--resume {args.resume}: no checkpoint in {ckpt_dir} (is --output_dir "
