@@ -158,6 +158,15 @@ class DynamicLossScale:
 LossScale = NoLossScale | StaticLossScale | DynamicLossScale
 
 
+def loss_factor(policy: LossScale, state: LossScaleState) -> jax.Array:
+  """What the loss is multiplied by before differentiating: ``state.scale``,
+  or without loss scaling 1 (a constant XLA drops: the same values), as
+  :func:`scale_of` reads it."""
+  if isinstance(policy, NoLossScale):
+    return jnp.ones((), jnp.float32)
+  return state.scale
+
+
 def scale_of(policy: LossScale, state: LossScaleState) -> jax.Array:
   """The factor the loss was multiplied by: ``state.scale``, or 1 without
   loss scaling whatever the state holds (``optax.tree_utils.tree_set(

@@ -321,7 +321,8 @@ def _per_device(s: _Settings, storage: Storage, params,
   if keep:   # the stored shards, gathered in the order the forward reads them
     params, blocks = storage.gather(params, full, order, keep, s.platform,
                                     s.across_hosts, narrow)
-  scale = precision.scale_of(s.tx.loss_scaler(params), opt_state.loss_scale)
+  scale = precision.loss_factor(s.tx.loss_scaler(params),
+                                opt_state.loss_scale)
   grads, g_tables, metrics = lg.local_grads(
       s, params, scale, batch, order,
       {i: blocks[i] for i in lookups})
@@ -371,8 +372,8 @@ def _step_2d(s: _Settings, params, opt_state, batch, pa):
       mesh=mesh, in_specs=(rep, P(), b_specs), out_specs=(
           jax.tree.map(lambda _: P(axis), params), P()),
       axis_names={axis}, check_vma=False)(
-          params, precision.scale_of(s.tx.loss_scaler(params),
-                                     opt_state.loss_scale), batch)
+          params, precision.loss_factor(s.tx.loss_scaler(params),
+                                        opt_state.loss_scale), batch)
   p_specs = pa.param_specs(params)
   g_specs = jax.tree.map(lambda sp: P(axis, *sp), p_specs,
                          is_leaf=lambda x: isinstance(x, P))
