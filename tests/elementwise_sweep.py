@@ -166,7 +166,6 @@ FACTORIES = _factories()
 # update(grads, state, params) on the shards, not for their arithmetic.
 CANNOT_RUN = {
     "optax.monitor",              # state structure grows at the first update
-    "optax.lookahead",            # params must be LookaheadParams
     "optax.contrib.differentially_private_aggregate",  # per-example grads
     "optax.contrib.dpsgd", "optax.contrib.hutchinson_estimator_diag_hessian",
     "optax.contrib.sophia", "optax.contrib.scale_by_muon",
@@ -180,6 +179,9 @@ CANNOT_RUN = {
     # their init fails on the tree zero1 hands (None at integer leaves)
     "optax.contrib.galore", "optax.contrib.scale_by_galore",
     "optax.selective_transform"}
+# Wrappers zero1 goes inside of (core/refusal.py NEST_INSIDE); their refusal
+# names that form (tests/test_nesting.py trains it).
+NEST_INSIDE = {"optax.lookahead"}   # params must be LookaheadParams
 CASES = {**{k: (lambda f=f, n=n: make(f, n)) for k, (f, n) in FACTORIES.items()},
          **EXTRA}
 

@@ -358,6 +358,8 @@ def outcome(result: unittest.TestResult) -> str:
     return "refused:not-elementwise"
   if "cannot run under zero1" in text:
     return "refused:cannot-run"
+  if "cannot run inside zero1" in text:   # refusal.NESTED: zero1 goes inside
+    return "refused:nest-inside"
   m = re.search(r"zero1: ([^.(:]{0,60})", text)
   if m:
     return f"refused:{m.group(1).strip()}"

@@ -15,8 +15,8 @@ one ``optax_suite_outcomes.json`` records for it (with the case's
 parameters, as absl names them):
 
 * ``zero1``: ``pass`` (as with optax) / ``skip`` (the test skips itself) /
-  ``refused:not-elementwise`` / ``refused:cannot-run`` (core/elementwise.py's
-  two templates) / ``refused:<first words>`` (another zero1 error) /
+  ``refused:not-elementwise`` / ``refused:cannot-run`` /
+  ``refused:nest-inside`` (core/refusal.py's three templates) / ``refused:<first words>`` (another zero1 error) /
   ``n/a:<why>`` (the test reads what zero1 changes by design) /
   ``fail:assertion`` / ``error:<Type>``;
 * ``optax``: the same file's case without zero1, same mesh.

@@ -69,6 +69,12 @@ REASONS = {
         "structure): e.g. it needs per-example gradients, a function to "
         "evaluate or an array argument (a scalar loss value= is checked at "
         "init and forwarded), or its state changes structure"),
+    "refused:nest-inside": (
+        "a wrapper that calls its optimizer on whole gradients and does more "
+        "around it (optax.lookahead's LookaheadParams, optax.contrib.sam's "
+        "adversarial step): zero1 goes inside it, around that optimizer, "
+        "and the refusal names the form (tests/test_nesting.py trains both "
+        "so, as optax)"),
     "refused:float16 params": (
         "fp16 params in plain jit without an explicit loss-scale choice "
         "(z1.loss_scale / z1.zero1(..., loss_scale=...)): never a silent "

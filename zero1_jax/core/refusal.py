@@ -3,7 +3,9 @@
 :data:`REFUSAL` when it is not elementwise (the checks of
 :mod:`.elementwise` say which operation, :mod:`.blame` which
 transformation), :data:`CANNOT_RUN` when its API does not fit the call zero1
-makes on the shards; :class:`Refused` raises either.
+makes on the shards, :data:`NESTED` when it is a wrapper zero1 goes inside
+of (``optax.lookahead``, ``optax.contrib.sam``: the message gives that
+form); :class:`Refused` raises any of them.
 
 Example:
   >>> refusal("reduce_sum on parameter-shaped data").startswith(
@@ -12,6 +14,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import optax
 
 REFUSAL = (
     "zero1: the inner optimizer is not elementwise ({why}); ZeRO-1 runs it on "
@@ -45,12 +49,42 @@ _API_REASONS = ("its init fails on", "its state structure depends",
                 "its update fails on the probe")
 
 
+# Wrappers zero1 goes inside of: they call their optimizer on whole
+# gradients, and what they do around it does not fit zero1's call. Their
+# name (blame.name) -> (why not around, the form to use).
+NEST_INSIDE = {
+    "optax.lookahead": (
+        "its params are optax.LookaheadParams (fast and slow weights) while "
+        "the gradients are the fast weights' only; zero1 shards one tree of "
+        "params, gradients and updates",
+        "optax.lookahead(z1.zero1(fast_optimizer, axis_name=...), "
+        "sync_period, slow_step_size), called with the LookaheadParams as "
+        "before: the fast optimizer's state is sharded 1/N; the slow "
+        "weights stay whole, as the params do"),
+    "optax.contrib.sam": (
+        "its adversarial step usually normalizes the whole gradient "
+        "(optax.contrib.normalize), and with opaque_mode=True its update "
+        "evaluates grad_fn at perturbed params, which zero1 would hand it "
+        "as 1/N shards",
+        "optax.contrib.sam(z1.zero1(optimizer, axis_name=...), "
+        "adv_optimizer, ...): the outer optimizer's state is sharded 1/N; "
+        "the adversarial optimizer runs on the whole gradients"),
+}
+NESTED = ("zero1: {name} cannot run inside zero1 ({shown}): {reason}. Put "
+          "zero1 inside it instead: {fix}.")
+
+
 def refusal(why: str, where: str = "") -> str:
-  """The refusal message for ``why``: :data:`CANNOT_RUN` when the optimizer's
+  """The refusal message for ``why``: :data:`NESTED` when ``where`` is a
+  wrapper of :data:`NEST_INSIDE`, :data:`CANNOT_RUN` when the optimizer's
   API does not fit zero1's call, else :data:`REFUSAL` (not elementwise);
   ``where`` (:func:`.blame.locate`: the refused transformation and its
   place) leads the parenthesis."""
   shown = f"{where}: {why}" if where else why
+  name = _nested_in(where)
+  if name:
+    reason, fix = NEST_INSIDE[name]
+    return NESTED.format(name=name, shown=shown, reason=reason, fix=fix)
   if not why.startswith(_API_REASONS):
     return REFUSAL.format(why=shown)
   extra = ""
@@ -71,6 +105,24 @@ class Refused(ValueError):
   def __init__(self, why: str, where: str = ""):
     super().__init__(refusal(why, where))
     self.why, self.where = why, where
+
+
+def _nested_in(where: str) -> str | None:
+  """The :data:`NEST_INSIDE` wrapper ``where`` names as the refused part or
+  as what holds it (``optax.contrib.normalize (..., in optax.contrib.sam)``)."""
+  for name in NEST_INSIDE:
+    if where.split(" (")[0] == name or f"in {name})" in where:
+      return name
+  return None
+
+
+def check_params(params) -> None:
+  """Raises :class:`Refused` for params zero1 cannot take whatever its
+  inner optimizer: optax.LookaheadParams (checked at ``tx.init`` and
+  ``tx.update`` also when ``check_elementwise=False``)."""
+  if isinstance(params, optax.LookaheadParams):
+    raise Refused("given optax.LookaheadParams",
+                  "optax.lookahead")
 
 
 def brief(e: Exception) -> str:

@@ -53,6 +53,7 @@ from zero1_jax.core import param_axes as pax
 from zero1_jax.core import params_free
 from zero1_jax.core import precision
 from zero1_jax.core import state_init
+from zero1_jax.core import refusal
 from zero1_jax.core.grad_reduce import LOCAL
 from zero1_jax.core.state import Zero1State
 # StepInfo, Zero1Config, Zero1State: z1's names, resolved here (__init__.py).
@@ -208,6 +209,7 @@ class _Calls:
     if proto.is_placeholder(params):   # optax.tree_utils.tree_map_params
       return proto.placeholder_state(
           tx.inner, (tx.config.loss_scale or precision.NoLossScale()).init())
+    refusal.check_params(params)
     like = params
     # The state holds bare arrays; Python scalars become arrays, as optax's
     # init makes them (jnp.zeros_like(1.0) is a float32 scalar).
@@ -221,6 +223,7 @@ class _Calls:
   def update_fn(self, updates=None, state=None, params=None, **extra_args):
     tx = self.tx
     grads, extra_args = proto.updates_arg(updates, extra_args)
+    refusal.check_params(params)
     given = params is not None
     if not given:   # optax's update(grads, state): the grads stand in
       params = params_free.stand_in(proto.arrays(pax.strip_variables(grads)),
