@@ -122,17 +122,18 @@ class _Batches:
 
 
 def _loop(tmp_path, config: dict, *flags, overflow=(), bar=True,
-          max_steps=6) -> str:
+          max_steps=6, tty=True) -> str:
   """zero1-train's step loop (cli/train.py _train) on a stub engine: what
-  it prints, with the progress bar on (tqdm) or off (--no_progress)."""
+  it prints, with the progress bar on (tqdm) or off (--no_progress), to a
+  terminal or not (``tty``)."""
   from zero1_jax.cli import common, train, train_args
   from zero1_jax.deepspeed import config as zconfig
   cfg = zconfig.load_config(config, world_size=2)
   args = train_args.parse_args(["--deepspeed", "ds.json", "--max_steps",
                                 str(max_steps), "--output_dir",
                                 str(tmp_path), *flags])
-  log_lines = args.no_progress or not common.has_progress_bar()
-  progress = common.progress(max_steps, disable=log_lines)
+  log_lines = common.step_lines(args.no_progress, tty=tty)
+  progress = common.progress(max_steps, disable=args.no_progress)
   train._train(_Engine(overflow), _Batches(), args, cfg, [], progress,
                log_lines, True, str(tmp_path / "checkpoints"))
   progress.close()
@@ -201,6 +202,17 @@ def test_steps_per_print_prints_step_lines_above_the_bar(tmp_path, capsys):
   assert _step_lines(capsys.readouterr().out) == []
   _loop(tmp_path, FP32, "--no_progress")                   # as before: 10
   assert _step_lines(capsys.readouterr().out) == [1, 6]
+
+
+def test_output_to_a_file_gets_step_lines_with_the_bar(tmp_path, capsys):
+  """`zero1-train ... > train.log` with tqdm installed wrote no step line
+  to the file (the bar, on stderr, was all): stdout that is not a terminal
+  gets the lines --no_progress prints, and tqdm's bar stays on stderr."""
+  pytest.importorskip("tqdm")
+  _loop(tmp_path, FP32, tty=False)
+  out = capsys.readouterr()
+  assert _step_lines(out.out) == [1, 6]
+  assert "6/6" in out.err                                   # the bar
 
 
 @pytest.fixture

@@ -126,6 +126,16 @@ def has_progress_bar() -> bool:
   return True
 
 
+def step_lines(no_progress: bool, tty: bool | None = None) -> bool:
+  """Whether zero1-train prints a line every logging period (else the bar
+  alone, unless a period is asked for): with --no_progress, without tqdm,
+  and when stdout is not a terminal (``> train.log``), where no bar is
+  read; tqdm's bar, on stderr, stays. ``tty``: stdout's, by default."""
+  if tty is None:
+    tty = sys.stdout.isatty()
+  return no_progress or not has_progress_bar() or not tty
+
+
 def progress(total: int, initial: int = 0, disable: bool = False):
   if disable or not has_progress_bar():
     return _NoBar()

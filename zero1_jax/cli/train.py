@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> dict | None:
     common.start_segment(args.output_dir, engine.global_steps if resume else 0,
                          common.run_record(args, engine))
   history = common.read_history(args.output_dir, engine.global_steps)
-  log_lines = args.no_progress or not common.has_progress_bar()
+  log_lines = common.step_lines(args.no_progress)
   t0, start = time.perf_counter(), engine.global_steps
   bar = None
   try:
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> dict | None:
         t0 = time.perf_counter()
       # after compiling: its line would land on the bar's, its time in the rate
       bar = common.progress(args.max_steps, initial=engine.global_steps,
-                            disable=log_lines or not main_process)
+                            disable=args.no_progress or not main_process)
       _train(engine, batches, args, cfg, history, bar, log_lines, main_process,
              ckpt_dir, stop)
     bar.close()

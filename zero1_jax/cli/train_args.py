@@ -128,8 +128,8 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
                  help="print a log line at step 1, every K steps and the last "
                  "(above the progress bar, if any). Default: the JSON's "
                  f"steps_per_print; without either, log lines every "
-                 f"{DEFAULT_LOGGING_STEPS} steps only with --no_progress or "
-                 f"no tqdm")
+                 f"{DEFAULT_LOGGING_STEPS} steps only with --no_progress, "
+                 f"without tqdm or with stdout not a terminal (> train.log)")
   p.add_argument("--no_progress", action="store_true",
                  help="no progress bar (log lines instead)")
   p.add_argument("--report_to", nargs="+", default=None, metavar="NAME",
