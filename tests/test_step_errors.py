@@ -31,10 +31,15 @@ def test_mesh_without_the_axis_names_the_fix():
      r"put them inside: z1\.zero1\(optax\.chain\(opt, \.\.\.\)"),
     (optax.MultiSteps(z1.zero1(optax.adam(1e-3), axis_name="data"), 2),
      r"optax\.MultiSteps\. Accumulate inside instead: z1\.zero1\(optax\.MultiSteps\(opt, k\).*grad_accum_steps=k"),
-], ids=["plain", "chain_around", "multisteps_around"])
+    (optax.lookahead(z1.zero1(optax.adam(1e-3), axis_name="data"), 2, 0.5),
+     r"got optax\.lookahead\. z1\.train_step .* takes no wrapper around it: "
+     r"run optax\.lookahead\(z1\.zero1\(opt, \.\.\.\), \.\.\.\) with "
+     r"tx\.init / tx\.update"),
+], ids=["plain", "chain_around", "multisteps_around", "lookahead_around"])
 def test_a_transform_that_is_not_zero1_names_the_fix(tx, fix):
   """Forgetting z1.zero1, or wrapping it, is a TypeError with the fix (it was
-  an AttributeError on `.config`)."""
+  an AttributeError on `.config`); lookahead around zero1, the form zero1's
+  refusal gives for a step of one's own, is told it belongs there."""
   for call, where in ((lambda: z1.init(tx, odd_params(), mesh(2)), "z1.init"),
                       (lambda: z1.train_step(loss_fn, tx, mesh(2)), "z1.train_step"),
                       (lambda: z1.state_shardings(tx, odd_params(), mesh(2)),

@@ -71,7 +71,10 @@ NEST_INSIDE = {
         "the adversarial optimizer runs on the whole gradients"),
 }
 NESTED = ("zero1: {name} cannot run inside zero1 ({shown}): {reason}. Put "
-          "zero1 inside it instead: {fix}.")
+          "zero1 inside it instead: {fix}. That form runs in a step of your "
+          "own (tx.init / tx.update under jax.jit); z1.train_step and the "
+          "DeepSpeed engine call zero1 themselves and take no wrapper around "
+          "it.")
 
 
 def refusal(why: str, where: str = "") -> str:

@@ -20,6 +20,8 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero1_jax.core import blame
+from zero1_jax.core import refusal
 from zero1_jax.core import offload as ofl
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import specs as zspecs
@@ -39,7 +41,16 @@ def require_zero1(tx: Any, where: str) -> None:
   the zero1 transform, has no sharded state to build or step)."""
   if isinstance(tx, Zero1Transformation):
     return
-  if isinstance(tx, optax.MultiSteps):
+  wrapper = blame.name(tx) if isinstance(
+      tx, optax.GradientTransformation) else ""
+  if wrapper in refusal.NEST_INSIDE:   # lookahead(z1.zero1(...)), as told
+    fix = (f"z1.train_step (whose state z1.init makes) calls zero1's "
+           f"update itself and takes no wrapper around it: run "
+           f"{wrapper}(z1.zero1(opt, ...), ...) with tx.init / tx.update in "
+           f"a jax.jit step of your own, or give {where} z1.zero1(opt, ...) "
+           f"alone.")
+    got = wrapper
+  elif isinstance(tx, optax.MultiSteps):
     fix = ("Accumulate inside instead: z1.zero1(optax.MultiSteps(opt, k), "
            "axis_name='data'), or z1.train_step(..., grad_accum_steps=k).")
     got = "optax.MultiSteps"
