@@ -13,9 +13,18 @@ $(BIN)/.installed: pyproject.toml
 	# GPU print its failure to load CUDA). tests/conftest.py and
 	# experiments/gpu/aot.py put it on sys.path to compile steps for GPUs
 	# without one (zero1_jax.inspect.gpu). ~0.5 GB, no CUDA libraries.
+	# A jax release can reach the index before its plugin (jax 0.12.1 did):
+	# then jax goes back to the newest version the plugin has.
 	v="$$($(BIN)/python -c 'import jax; print(jax.__version__)')" && \
-	  $(BIN)/pip install -q --no-deps --target $(VENV)/aot-plugins \
-	    "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v"
+	  if ! $(BIN)/pip install -q --no-deps --target $(VENV)/aot-plugins \
+	      "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" 2>/dev/null; then \
+	    p="$$($(BIN)/pip index versions jax-cuda12-plugin 2>/dev/null \
+	      | sed -n 's/^jax-cuda12-plugin (\(.*\))$$/\1/p')" && \
+	    echo "make venv: no CUDA plugin for jax $$v on the index: jax $$p, the newest it has" && \
+	    $(BIN)/pip install -q "jax==$$p" "jaxlib==$$p" && \
+	    $(BIN)/pip install -q --no-deps --target $(VENV)/aot-plugins \
+	      "jax-cuda12-plugin==$$p" "jax-cuda12-pjrt==$$p"; \
+	  fi
 	# Bytecode up front: with PYTHONDONTWRITEBYTECODE set (as on this project's
 	# CI image) nothing caches it, and every Python process (the tests start
 	# dozens of zero1-train runs) recompiled jax & co from source: ~5 s each.
