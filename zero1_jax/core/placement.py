@@ -133,7 +133,8 @@ class _Report:
         f"{self.names[first]}: {self.got[first][1]}, "
         f"{self.got[first][0]} B per device, planned "
         f"{self.planned[first]} B). Measured: {held} B of zero1's state per "
-        f"device where zero1 planned {plan} B, and each step re-shards it. "
+        f"device where zero1 planned {plan} B; a step given it placed so "
+        f"re-shards it. "
         + (fix_for_replicated()
            if all(self.got[i][0] == self.whole.get(i) for i in bad) else FIX),
         self.site)
