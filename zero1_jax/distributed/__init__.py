@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zero1_jax.distributed import cache_guard
 from zero1_jax.distributed.peer_watch import PeerWatch  # noqa: F401 - public here
 
 log = logging.getLogger("zero1_jax")
@@ -108,6 +109,7 @@ def initialize(coordinator_address: str | None = None,
   log.info("process %d of %d joined; %d local / %d global devices",
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count())
+  cache_guard.turn_off_if_it_hangs()
   return True
 
 
