@@ -232,6 +232,42 @@ def test_flax_restore_of_an_optax_checkpoint_warns_at_the_first_update(tmp_path)
     assert not _said(lambda: fresh()(step(target)))
 
 
+def test_flax_dynamic_scale_overflows_at_the_start_are_not_a_restore():
+  """flax's imagenet fp16 step keeps the optimizer state where its
+  DynamicScale finds the gradients not finite, so after overflows only the
+  state is new at step 1 by design: no warning (it was given, naming a
+  checkpoint restore that never happened). A dynamic scale that has counted
+  finite steps, or a step past fresh_state.OVERFLOWS, is still warned about."""
+  import functools
+  from flax.training import dynamic_scale as dsl, train_state
+
+  class TS(train_state.TrainState):   # imagenet's TrainState
+    dynamic_scale: dsl.DynamicScale | None = None
+
+  def step(state, x):
+    ds, finite, _, grads = state.dynamic_scale.value_and_grad(
+        lambda p: jnp.sum(p["w"] * x))(state.params)
+    new = state.apply_gradients(grads=grads)
+    keep = functools.partial(jax.tree.map, functools.partial(jnp.where, finite))
+    return new.replace(opt_state=keep(new.opt_state, state.opt_state),
+                       params=keep(new.params, state.params), dynamic_scale=ds)
+
+  fresh = lambda: jax.jit(lambda s, x: step(s, x))  # noqa: E731  traced anew
+  with jax.set_mesh(mesh(4)):
+    s = TS.create(apply_fn=None, params={"w": jnp.ones(8)},
+                  tx=z1.zero1(opt(), axis_name="data"),
+                  dynamic_scale=dsl.DynamicScale())
+    over = fresh()(s, jnp.full(8, jnp.inf))     # overflowed: state kept
+    assert int(over.step) == 1 and int(over.dynamic_scale.fin_steps) == 0
+    assert not _said(lambda: fresh()(over, jnp.ones(8)).step)
+    counted = over.replace(dynamic_scale=over.dynamic_scale.replace(
+        fin_steps=jnp.asarray(3)))
+    assert len(_said(lambda: fresh()(counted, jnp.ones(8)).step)) == 1
+    from zero1_jax.core import fresh_state
+    late = over.replace(step=jnp.asarray(fresh_state.OVERFLOWS + 1))
+    assert len(_said(lambda: fresh()(late, jnp.ones(8)).step)) == 1
+
+
 def test_a_donated_owner_and_a_raising_object_are_passed_over():
   """A TrainState whose arrays an earlier step took (donate_argnums) may
   still sit in a caller's frame when a step is traced: the check passes it

@@ -132,6 +132,22 @@ def test_a_state_handed_whole_to_every_device_is_refused_with_the_fix(how):
     step_whole_state(state)
 
 
+def test_a_state_created_before_pmap_without_a_mesh_is_refused_with_the_pmap_fix():
+  """flax's wmt and imagenet: ``TrainState.create`` on the host, then
+  ``jax_utils.replicate``. With no mesh anywhere zero1 cannot place the
+  state, and its error leads with the pmap fix (it led with ``mesh=``, which
+  only reached the next error, the whole state refused inside pmap); the
+  state made as it says trains as optax."""
+  tx = z1.zero1(INNER(), axis_name="batch")
+  with pytest.raises(ValueError, match=r"Under jax\.pmap\(\.\.\., axis_name='batch'\)"
+                     r".*jax_utils\.replicate.*create the state inside pmap.*"
+                     r"jax\.pmap\(lambda p: TrainState\.create\(") as e:
+    TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+  assert "mesh=mesh" in str(e.value)   # the jit programs' fix is still named
+  got, _ = train_state_loop(tx)        # the fix it names, as written
+  assert_close(got, train_state_loop(INNER())[0], 1e-6, "pmap ")
+
+
 def test_shard_map_given_the_whole_state_is_refused_with_the_fix():
   """The same mistake in a shard_map step of one's own: in_specs P() for the
   state instead of its shardings' specs."""

@@ -24,7 +24,9 @@ an H200 (BERT-base fp32: 21.9 ms against 10.4 without; it syncs the host
 with the device every step and takes jax's C++ dispatch away), so there is
 none. What that leaves unsaid: a new state given to a step already
 compiled in this process (no trace), or a step called with an owner that no
-caller's frame holds.
+caller's frame holds. Nor is it said where the owner's flax ``DynamicScale``
+shows only overflows so far (:func:`overflowing`): those steps keep the
+state new.
 
 >>> import warnings, jax, optax, zero1_jax as z1
 >>> from flax.training import train_state
@@ -182,6 +184,26 @@ def is_new(step: Any, state: Any) -> bool:
   return all(_all_zero(x) for x in leaves[2:] if jnp.ndim(x) > 0)
 
 
+def overflowing(owner: Any, step: Any) -> bool:
+  """Whether ``owner`` carries flax's ``DynamicScale`` whose last step was
+  not finite (``fin_steps`` 0), at a ``step`` of at most :data:`OVERFLOWS`.
+  flax's fp16 loops (its imagenet example) keep the optimizer state on such
+  a step, so while every step so far has overflowed the state is new at a
+  step past 0 by design: nothing to say. A run restored from a checkpoint
+  has its dynamic scale restored too, with the finite steps it counted;
+  only one saved right after an overflow has ``fin_steps`` 0, and past
+  :data:`OVERFLOWS` steps it is still warned about."""
+  fin = getattr(getattr(owner, "dynamic_scale", None), "fin_steps", None)
+  return (fin is not None and _concrete(fin) and int(_scalar(fin)) == 0
+          and int(_scalar(step)) <= OVERFLOWS)
+
+
+# Overflows in a row that a dynamic scale can explain: flax's starts at 2^16
+# and halves on each one; 64 take it to 2^-48, where a loss still
+# overflowing is not finite unscaled either, and no scale is to blame.
+OVERFLOWS = 64
+
+
 _SAID: set = set()
 
 
@@ -194,7 +216,7 @@ def warn_if_new(tx: Any, strip: Callable[[Any], Any]) -> None:
   if owner is None:
     return
   step, state = _value(owner.step), strip(owner.opt_state)
-  if is_new(step, state):
+  if is_new(step, state) and not overflowing(owner, step):
     text = NEW_STATE.format(step=int(_scalar(step)))
     if text not in _SAID:
       _SAID.add(text)

@@ -44,13 +44,18 @@ def _no_mesh(axis: str, why: str) -> ValueError:
 
 NO_MESH_AT_INIT = (
     "zero1: tx.init found no mesh with axis '{axis}': no jax.set_mesh "
-    "context, and nothing passed to it is placed on one (e.g. the optimizer "
-    "is initialised before the model is sharded, as in Equinox's "
-    "parallelism example). Pass the mesh to the optimizer: "
-    "zero1(..., mesh=mesh), i.e. z1.zero1(opt, axis_name='{axis}', "
-    "mesh=mesh). (Or call tx.init under `with jax.set_mesh(mesh):`, on "
-    "params placed on the mesh, or inside shard_map over '{axis}' as "
-    "z1.init does.)")
+    "context, and nothing passed to it is placed on one. Where your step "
+    "runs decides the fix. Under jax.pmap(..., axis_name='{axis}') (flax's "
+    "wmt and imagenet examples, which create the TrainState and then "
+    "jax_utils.replicate it): create the state inside pmap, where each "
+    "device makes its own 1/N shards: state = jax.pmap(lambda p: "
+    "TrainState.create(apply_fn=..., params=p, tx=tx), axis_name='{axis}')"
+    "(jax_utils.replicate(params)). Under jax.jit on a mesh (e.g. the "
+    "optimizer initialised before the model is sharded, as in Equinox's "
+    "parallelism example): pass the mesh to the optimizer, "
+    "z1.zero1(opt, axis_name='{axis}', mesh=mesh), or call tx.init under "
+    "`with jax.set_mesh(mesh):` or on params placed on the mesh. Inside "
+    "shard_map over '{axis}': call tx.init there, as z1.init does.")
 
 
 def find_mesh(axis: str, *trees: Any, fallback: Any = None,
