@@ -148,6 +148,43 @@ def test_a_state_created_before_pmap_without_a_mesh_is_refused_with_the_pmap_fix
   assert_close(got, train_state_loop(INNER())[0], 1e-6, "pmap ")
 
 
+def test_one_devices_state_copied_to_every_device_is_said_at_the_next_step():
+  """flax's pmap examples save, evaluate and restore ``unreplicate(state)``
+  and ``replicate`` it back: with zero1 every device then holds device 0's
+  shards and trains on the wrong moments with no error (each shard has the
+  right shape). The next step traced says so, naming the leaves; a state
+  as pmap stacked it, and a new one (all 0), say nothing."""
+  import re
+  import warnings
+  from flax import jax_utils
+  from zero1_jax.core import copied_state
+
+  tx = z1.zero1(INNER(), axis_name="batch")
+  _, state = train_state_loop(tx)
+  full = jax.pmap(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
+                  axis_name="batch", devices=DEVS)(replicate(PARAMS))
+  full = full.replace(opt_state=state)     # trained: each device its shards
+
+  def said(st):
+    def step(state, x, y):
+      g = jax.lax.pmean(jax.grad(loss)(state.params, x, y), "batch")
+      return state.apply_gradients(grads=g)
+    copied_state._SAID.clear()
+    with warnings.catch_warnings(record=True) as w:
+      warnings.simplefilter("always")
+      jax.pmap(step, axis_name="batch", devices=DEVS)(st, X, Y)   # traced anew
+    return [str(x.message) for x in w if "same shard" in str(x.message)]
+
+  copied = jax_utils.replicate(jax_utils.unreplicate(full), devices=DEVS)
+  (text,) = said(copied)
+  assert re.search(r"opt_state\.inner\[0\]\.mu\['b'\] and opt_state\.inner\[0\]"
+                   r"\.mu\['w'\] are equal on all 4 local "
+                   r"devices.*save jax\.device_get\(state\)", text), text
+  assert not said(full)
+  assert not said(jax.pmap(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx),
+                           axis_name="batch", devices=DEVS)(replicate(PARAMS)))
+
+
 def test_shard_map_given_the_whole_state_is_refused_with_the_fix():
   """The same mistake in a shard_map step of one's own: in_specs P() for the
   state instead of its shardings' specs."""

@@ -44,6 +44,7 @@ import optax
 from zero1_jax.core import apply
 from zero1_jax.core import boxes
 from zero1_jax.core import collectives as col
+from zero1_jax.core import copied_state
 from zero1_jax.core import explicit_consts
 from zero1_jax.core import fresh_state
 from zero1_jax.core import jit_mode as jm
@@ -237,6 +238,8 @@ class _Calls:
       params_free.check_state(boxes.strip(state), params)
     if fresh_state.owner_step(tx) is not None:   # a TrainState, an nnx.Optimizer
       fresh_state.warn_if_new(tx, boxes.strip)       # on the host, not in the step
+      if col.axis_bound(tx.config.axis_name):        # pmap, shard_map: shards
+        copied_state.warn_if_copied(tx, boxes.strip)
     like = params if given else grads
     grads = proto.arrays(pax.strip_variables(grads))
     params = proto.arrays(pax.strip_variables(params))
