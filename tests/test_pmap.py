@@ -6,7 +6,10 @@ device holds its own 1/N shards of the state: made inside pmap
 the devices (``in_axes=0``). A state handed whole to every device
 (``in_axes=None``, a state made on a mesh or with ``mesh=``) is refused with
 the fix; before, its moments broadcast against the gradient's shard and
-the weights came out wrong with no error.
+the weights came out wrong with no error. A ``TrainState`` created before
+pmap with no mesh is refused naming the pmap fix first, and one device's
+shards copied to every device (flax's ``unreplicate`` then ``replicate``)
+are said at the next step traced.
 
 Tolerance: per leaf ``max|got - ref| <= 1e-6 * max|ref|`` (helpers), the
 fp32 floor of test_equivalence.py. zero1 averages the N pmean'd gradients
