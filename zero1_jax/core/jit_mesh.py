@@ -53,9 +53,10 @@ NO_MESH_AT_INIT = (
     "(jax_utils.replicate(params)). Under jax.jit on a mesh (e.g. the "
     "optimizer initialised before the model is sharded, as in Equinox's "
     "parallelism example): pass the mesh to the optimizer, "
-    "z1.zero1(opt, axis_name='{axis}', mesh=mesh), or call tx.init under "
-    "`with jax.set_mesh(mesh):` or on params placed on the mesh. Inside "
-    "shard_map over '{axis}': call tx.init there, as z1.init does.")
+    "zero1(..., mesh=mesh), i.e. z1.zero1(opt, axis_name='{axis}', "
+    "mesh=mesh), or call tx.init under `with jax.set_mesh(mesh):` or on "
+    "params placed on the mesh. Or call tx.init inside shard_map over "
+    "'{axis}', as z1.init does.")
 
 
 def find_mesh(axis: str, *trees: Any, fallback: Any = None,
