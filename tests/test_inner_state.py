@@ -26,6 +26,10 @@ import optax.contrib
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import flax.linen as nn
+from flax import nnx
+from flax.nnx.training.optimizer import to_opt_state
+
 import zero1_jax as z1
 from helpers import (assert_close, batch, float_part, loss_fn, mesh, odd_params,
                      optax_run)
@@ -156,6 +160,49 @@ def test_inside_the_users_jit_equals_the_eager_result(axes, set_mesh):
   # The eval params' arithmetic, fused under jit, may round differently.
   assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, p)
   assert_close(float_part(got), float_part(want), RTOL, "jitted eval params ")
+
+
+def _refill(template, values):
+  """``template``'s boxes around ``values``' leaves (a trained state)."""
+  box = lambda x: isinstance(x, nn.Partitioned)
+  assert any(map(box, jax.tree.leaves(template, is_leaf=box)))
+  return jax.tree.map(lambda b, v: b.replace_boxed(v) if box(b) else v,
+                      template, values, is_leaf=box)
+
+
+@pytest.mark.parametrize("wrapping", ["zero1-boxes", "linen-boxes",
+                                      "nnx-optimizer"])
+def test_a_state_in_flax_boxes_or_nnx_variables_reads_as_the_bare_one(wrapping):
+  """The trial's case: with flax loaded, ``zero1(mesh=)`` outside
+  ``jax.set_mesh`` boxes each sharded state leaf (flax derives shardings
+  from an abstract state only through boxes); linen's boxed params give the
+  state their boxes; ``nnx.Optimizer`` holds it in Variables. Each reads
+  as the bare state does, bitwise, and schedule-free's eval params follow
+  (before: ValueError, "opt_state.inner has the tree ...")."""
+  msh = mesh(4)
+  params = float_part(odd_params())
+  tx, p, s = zero1_run(SF, params, msh)
+  if wrapping == "zero1-boxes":
+    wrapped_tx = z1.zero1(SF(), axis_name="data", mesh=msh)
+    wrapped = s._replace(inner=_refill(wrapped_tx.init(p).inner, s.inner))
+  elif wrapping == "linen-boxes":
+    wrapped_tx = tx
+    boxed = jax.tree.map(lambda x: nn.Partitioned(x, (None,) * x.ndim), p)
+    with jax.set_mesh(msh):
+      wrapped = s._replace(inner=_refill(tx.init(boxed).inner, s.inner))
+  else:
+    wrapped_tx, wrapped = tx, to_opt_state(s)
+    assert isinstance(jax.tree.leaves(
+        wrapped, is_leaf=lambda x: isinstance(x, nnx.Variable))[0],
+        nnx.Variable)
+  want = z1.inner_state(tx, s, p)
+  got = z1.inner_state(wrapped_tx, wrapped, p)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  check_state(SF, got, params, sf_ref()[1])
+  ev = optax.contrib.schedule_free_eval_params(got, p)
+  assert jax.tree.map(jnp.shape, ev) == jax.tree.map(jnp.shape, p)
 
 
 def test_refuses_what_is_not_a_zero1_state():

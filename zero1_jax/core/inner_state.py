@@ -84,8 +84,10 @@ def inner_state(tx: Any, opt_state: Zero1State, params: Any) -> optax.OptState:
       :func:`zero1_jax.zero2` that built ``opt_state``.
     opt_state: its state as :func:`zero1_jax.init`, :func:`zero1_jax.train_step`
       or ``tx.init`` / ``tx.update`` under a mesh return it (global arrays,
-      outside ``shard_map``), on any mesh, 2-D included.
-    params: the parameters (their shapes and shardings are read; integer
+      outside ``shard_map``), on any mesh, 2-D included; its leaves in
+      Flax boxes (linen's ``nn.Partitioned``) or in ``nnx.Optimizer``'s
+      Variables (``optimizer.opt_state``) as well.
+    params: the parameters, boxed or not (their shapes and shardings are read; integer
       and zero-size ones, which zero1 never updates, are passed to
       ``inner.init`` for the state it holds there).
 
@@ -94,6 +96,8 @@ def inner_state(tx: Any, opt_state: Zero1State, params: Any) -> optax.OptState:
     parameter's shape with the parameter's sharding; every other leaf (step
     counts, injected hyperparameters, a scalar parameter's moments) as it is;
     at integer and zero-size parameters, what ``inner.init`` gives them.
+    Bare arrays, as optax holds them for the bare params: boxes and
+    Variables are taken off.
 
   Raises:
     TypeError: ``tx`` is not a zero1 transformation, or ``opt_state`` not a
@@ -116,14 +120,17 @@ def inner_state(tx: Any, opt_state: Zero1State, params: Any) -> optax.OptState:
   if not isinstance(opt_state, Zero1State):
     raise TypeError(f"z1.inner_state: opt_state must be the Zero1State that "
                     f"z1.init / tx.init returns, got {type(opt_state).__name__}")
-  params = pax.unbox(params)
+  # Flax boxes (the user's, or those zero1 puts on a state for bare params
+  # under zero1(mesh=) with flax loaded) and nnx.Optimizer's Variables off:
+  # optax on the bare params holds bare arrays.
+  params = pax.values(params)
   p_leaves = jax.tree.leaves(params)
   # Owners do not depend on N: at N=1 every parameter of rank >= 1 is split
   # on some dim, so each parameter-shaped state leaf is found.
   layout = lay.plan(params, 1)
   treedef, _, _, owners = ew.state_shard_dims(tx.inner, layout,
                                               tx.config.master_dtype)
-  leaves, got = jax.tree.flatten(opt_state.inner)
+  leaves, got = jax.tree.flatten(pax.values(opt_state.inner))
   if got != treedef:
     raise ValueError(f"z1.inner_state: opt_state.inner has the tree {got}, "
                      f"but tx's inner optimizer on these params builds "

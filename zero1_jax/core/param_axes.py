@@ -123,6 +123,14 @@ def unbox(params: Any) -> Any:
                       is_leaf=_boxed)
 
 
+def values(tree: Any) -> Any:
+  """``tree`` with Flax partitioning boxes and nnx ``Variable`` wrappers
+  replaced by the values they hold, no sharding constraint applied (a box's
+  ``unbox()`` applies its own, which an Explicit mesh takes as an assert)."""
+  return jax.tree.map(lambda x: x.value if _boxed(x) else x,
+                      strip_variables(tree), is_leaf=_boxed)
+
+
 def strip_variables(tree: Any) -> Any:
   """``tree`` with nnx ``Variable`` wrappers replaced by their values (Linen
   boxes stay). ``tx.init`` builds the state from the bare arrays: state
