@@ -188,6 +188,27 @@ def test_pythons_that_cannot_save_at_exit_save_synchronously(
   assert ck.all_steps() == [1]
 
 
+def test_a_step_killed_before_its_file_list_gets_it_at_the_next_restore(
+    tmp_path):
+  """Killed between orbax's commit and zero1_files.json (the day-one trial's
+  kill -9): the step restores, and the restore, having read every file,
+  lists them, so a later truncation is named with its sizes."""
+  tx, p, s = small()
+  ck = z1.checkpoint.Checkpointer(tmp_path, async_save=False)
+  ck.save(1, p, s)
+  listed = tmp_path / "1" / "zero1_files.json"
+  saved = listed.read_text()
+  listed.unlink()
+  z1.checkpoint.Checkpointer(tmp_path).restore(1, tx, p, mesh(2))
+  assert listed.read_text() == saved
+  biggest = max((f for f in (tmp_path / "1" / "state").rglob("*")
+                 if f.is_file()), key=lambda f: f.stat().st_size)
+  os.truncate(biggest, 10)
+  with pytest.raises(z1.checkpoint.UnreadableCheckpointError,
+                     match=r"damaged: file 1/state/.* has 10 bytes, \d+ when saved"):
+    z1.checkpoint.Checkpointer(tmp_path).restore(1, tx, p, mesh(2))
+
+
 def test_directory_that_is_a_file(tmp_path):
   f = tmp_path / "f"
   f.write_text("x")

@@ -281,14 +281,16 @@ class Checkpointer:
           got[name] if x.size else jax.device_put(np.zeros(x.shape, x.dtype), sh)
           for name, x, sh in zip(t.names, t.shapes, t.shardings)])
 
+    partial = len(s_t.names) < len(meta["state"])
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(
-          params=args(p_t, True),
-          state=args(s_t, False, len(s_t.names) < len(meta["state"]))))
+          params=args(p_t, True), state=args(s_t, False, partial)))
     except Exception as e:  # orbax / tensorstore: missing or damaged files
       reason = reshard.read_error(e, str(self.directory))
       quiet_failed_reads()
       raise UnreadableCheckpointError(f"{where} is unreadable: {reason}") from e
+    if not partial:     # every file read: list them where a crash did not
+      step_files.record_if_missing(self.directory, step)
     return leaves(p_t, out["params"]), leaves(s_t, out["state"]), extra
 
   def restore(self, step: int | None, tx, params_template, mesh, *,

@@ -57,6 +57,21 @@ def record(path: epath.Path) -> None:
     tmp.rename(path / FILES)
 
 
+def record_if_missing(directory: epath.Path, step: int) -> None:
+  """Lists ``step``'s files once a restore has read every one of them, where
+  the list is missing: a run killed between orbax's commit and
+  :func:`record` left none, and a later truncation would then be named
+  only by orbax's read error. A directory that cannot be written (a
+  read-only copy) keeps the step as it is."""
+  path = steps.step_dirs(directory).get(step)
+  if path is None or (path / FILES).exists():
+    return
+  try:
+    record(path)
+  except OSError:
+    pass
+
+
 def step_path(directory: epath.Path, step: int) -> epath.Path:
   """The committed, complete directory of ``step``, else a clear error."""
   path = steps.step_dirs(directory).get(step)
