@@ -118,6 +118,22 @@ def mesh_axes(box, sizes: Mapping[str, int], rules: Any, where: str,
                        where, data_axis)
 
 
+def sharding_names(out_sharding: Any) -> tuple:
+  """The axis names of an nnx ``out_sharding`` in each form flax shards a
+  Variable by: names, a ``PartitionSpec``, a ``NamedSharding`` (its spec:
+  JAX's LLM-pretraining tutorial writes ``nnx.with_partitioning(init,
+  NamedSharding(mesh, P(None, 'model')))``) or a layout ``Format`` (its
+  sharding's).
+
+  Example:
+    >>> from jax.sharding import PartitionSpec as P
+    >>> sharding_names(P(None, "model")), sharding_names(("data", None))
+    ((None, 'model'), ('data', None))
+  """
+  s = getattr(out_sharding, "sharding", out_sharding)   # a Format's
+  return tuple(getattr(s, "spec", s))
+
+
 def variable_axes(var, sizes: Mapping[str, int], rules: Any, where: str,
                   data_axis: str | None = None) -> P | None:
   """The mesh ``PartitionSpec`` an nnx ``Variable``'s metadata names
@@ -128,7 +144,7 @@ def variable_axes(var, sizes: Mapping[str, int], rules: Any, where: str,
   names = meta.get("out_sharding", meta.get("sharding"))
   if names is None:
     return None
-  names = tuple(names)
+  names = sharding_names(names)
   flat = [a for n in names if n is not None
           for a in ((n,) if isinstance(n, str) else n)]
   own = meta.get("sharding_rules")
