@@ -67,7 +67,7 @@ NEWEST_TESTS ?= tests/test_checkpoint_lifecycle.py tests/test_step.py \
   tests/test_gpu_aot.py tests/test_gpu_trainstate.py tests/test_gpu_tools.py tests/test_shard_params.py \
   tests/test_jit_in_shardings.py tests/test_params_free.py tests/test_gpu_hosts.py \
   tests/test_dispatch.py tests/test_gpu_measure.py tests/test_narrow_gathers.py tests/test_gpu_gather_order.py \
-  tests/test_gpu_precisions.py tests/test_gpu_accumulation.py \
+  tests/test_gpu_precisions.py tests/test_gpu_accumulation.py tests/test_mesh2d_nnx.py tests/test_inner_state.py \
   tests/test_distributed.py tests/test_cache_guard.py tests/test_fp32_master.py \
   "tests/test_equivalence.py::test_bitwise_when_reduced_gradients_are_bitwise_equal"
 
