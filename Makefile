@@ -4,18 +4,22 @@ BIN := $(VENV)/bin
 
 .PHONY: venv test test-slow test-optax test-all test-newest newest-py demo bench clean tolerances docs docs-check dist
 
+# The venv, then jax's CUDA plugin at jax's own version beside it (not in it:
+# a plugin in site-packages makes every jax start on a machine without a GPU
+# print its failure to load CUDA). tests/conftest.py and experiments/gpu/aot.py
+# put it on sys.path to compile steps for GPUs without one
+# (zero1_jax.inspect.gpu). ~0.5 GB, no CUDA libraries. A jax release can reach
+# the index before its plugin (jax 0.12.1 did): then jax goes back to the
+# newest version the plugin has. Bytecode up front: with
+# PYTHONDONTWRITEBYTECODE set (as on this project's CI image) nothing caches
+# it, and every Python process (the tests start dozens of zero1-train runs)
+# recompiled jax & co from source: ~5 s each.
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[test,cli,experiments]"
-	# jax's CUDA plugin at jax's own version, beside the venv (not in it: a
-	# plugin in site-packages makes every jax start on a machine without a
-	# GPU print its failure to load CUDA). tests/conftest.py and
-	# experiments/gpu/aot.py put it on sys.path to compile steps for GPUs
-	# without one (zero1_jax.inspect.gpu). ~0.5 GB, no CUDA libraries.
-	# A jax release can reach the index before its plugin (jax 0.12.1 did):
-	# then jax goes back to the newest version the plugin has.
-	v="$$($(BIN)/python -c 'import jax; print(jax.__version__)')" && \
+	@echo "make venv: jax's CUDA plugin (compile-only, for GPU programs without a GPU) in $(VENV)/aot-plugins"
+	@v="$$($(BIN)/python -c 'import jax; print(jax.__version__)')" && \
 	  if ! $(BIN)/pip install -q --no-deps --target $(VENV)/aot-plugins \
 	      "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" 2>/dev/null; then \
 	    p="$$($(BIN)/pip index versions jax-cuda12-plugin 2>/dev/null \
@@ -25,9 +29,6 @@ $(BIN)/.installed: pyproject.toml
 	    $(BIN)/pip install -q --no-deps --target $(VENV)/aot-plugins \
 	      "jax-cuda12-plugin==$$p" "jax-cuda12-pjrt==$$p"; \
 	  fi
-	# Bytecode up front: with PYTHONDONTWRITEBYTECODE set (as on this project's
-	# CI image) nothing caches it, and every Python process (the tests start
-	# dozens of zero1-train runs) recompiled jax & co from source: ~5 s each.
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib zero1_jax experiments tests
 	touch $@
 
