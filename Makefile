@@ -13,11 +13,14 @@ BIN := $(VENV)/bin
 # newest version the plugin has. Bytecode up front: with
 # PYTHONDONTWRITEBYTECODE set (as on this project's CI image) nothing caches
 # it, and every Python process (the tests start dozens of zero1-train runs)
-# recompiled jax & co from source: ~5 s each.
+# recompiled jax & co from source: ~5 s each. pip's messages (setuptools'
+# editable-install banner, warnings) go to $(VENV)/pip.log, shown if it fails.
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test,cli,experiments]"
+	@echo "make venv: pip install -e '.[test,cli,experiments]' into $(VENV) (pip's messages: $(VENV)/pip.log)"
+	@{ $(BIN)/pip install -q --upgrade pip && \
+	  $(BIN)/pip install -q -e ".[test,cli,experiments]"; } > $(VENV)/pip.log 2>&1 || \
+	  { cat $(VENV)/pip.log; exit 1; }
 	@echo "make venv: jax's CUDA plugin (compile-only, for GPU programs without a GPU) in $(VENV)/aot-plugins"
 	@v="$$($(BIN)/python -c 'import jax; print(jax.__version__)')" && \
 	  if ! $(BIN)/pip install -q --no-deps --target $(VENV)/aot-plugins \
