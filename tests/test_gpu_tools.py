@@ -75,6 +75,47 @@ def test_the_target_config_is_read_without_an_error_line():
   assert "Error parsing" not in out.stderr, out.stderr[-2000:]
 
 
+def test_gpu_compiles_stay_out_of_the_persistent_cache(mesh, tmp_path):
+  """An executable compiled for the compile-only topology cannot be loaded
+  back from jax's persistent cache (the tests set one, conftest.py): read,
+  it warned "PjRtCompiler must be constructed with a Client" and compiled
+  again. ``gpu.compile`` writes no entry and passes over one written by a
+  plain ``lowered.compile()`` with the same options, without the warning."""
+  import os
+  import warnings
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  where = jax.config.jax_compilation_cache_dir
+  x = jax.ShapeDtypeStruct((64, 64), np.float32, sharding=NamedSharding(mesh, P("data")))
+
+  def entries(name):
+    return [f for f in os.listdir(where) if f.startswith(f"jit_{name}-")] if where else []
+
+  def zero1_cache_probe_written(x):
+    return (x @ x.T).sum()
+
+  def zero1_cache_probe_not_written(x):
+    return (x @ x.T).max()
+
+  key = "jax_persistent_cache_min_compile_time_secs"
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update(key, 0.0)      # write even a compile of milliseconds
+  try:
+    written = jax.jit(zero1_cache_probe_written).lower(x)
+    written.compile(compiler_options={   # gpu.compile's options: the same key
+        "xla_dump_to": str(tmp_path), "xla_dump_latency_hiding_schedule": True})
+    if not entries("zero1_cache_probe_written"):
+      pytest.skip("jax's persistent cache is not in use in this process")
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      compiled, schedule = gpu.compile(written)
+      gpu.compile(jax.jit(zero1_cache_probe_not_written).lower(x))
+  finally:
+    jax.config.update(key, before)
+  assert compiled.as_text() and schedule.ops
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == before
+  assert entries("zero1_cache_probe_not_written") == []
+
+
 def test_collective_costs_times_each_collective_alone():
   """experiments/gpu/collective_costs.py (docs/gpu.md's ratio of a
   reduce-scatter plus a gather to one all-reduce of the same bytes): each

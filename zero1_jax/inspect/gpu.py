@@ -27,9 +27,11 @@ Example (not run by the doctests: it needs the plugin)::
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import shutil
 import tempfile
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -130,13 +132,37 @@ def compile(lowered: Any, compiler_options: dict | None = None, *,
   on the GPUs of the mesh it was lowered for, not a measurement.
   ``dump_to``: an empty directory where XLA's dump of the compile (the optimized
   HLO, its buffer assignment and live ranges) stays; by default a temporary
-  one, removed."""
+  one, removed.
+
+  jax's persistent compilation cache, where one is set, is left out: an
+  executable compiled for devices that exist only for compiling cannot be
+  loaded back from it (jax would warn "PjRtCompiler must be constructed with
+  a Client" and compile again), so none is written, and an entry another
+  program wrote for the same key is passed over without that warning."""
   where = dump_to or tempfile.mkdtemp(prefix="zero1_schedule_")
   try:
     options = {**(compiler_options or {}), "xla_dump_to": where,
                "xla_dump_latency_hiding_schedule": True}
-    compiled = lowered.compile(compiler_options=options)
+    with _outside_the_persistent_cache():
+      compiled = lowered.compile(compiler_options=options)
     return compiled, sched.read(where)
   finally:
     if dump_to is None:
       shutil.rmtree(where, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _outside_the_persistent_cache():
+  """No cache entry written (jax writes none for a compile quicker than
+  ``jax_persistent_cache_min_compile_time_secs``), and the failed read of one
+  written elsewhere not warned of: jax then compiles, as with no entry."""
+  key = "jax_persistent_cache_min_compile_time_secs"
+  before = getattr(jax.config, key)
+  jax.config.update(key, float("inf"))
+  try:
+    with warnings.catch_warnings():
+      warnings.filterwarnings(
+          "ignore", message=r"(?s).*PjRtCompiler must be constructed with a Client")
+      yield
+  finally:
+    jax.config.update(key, before)
