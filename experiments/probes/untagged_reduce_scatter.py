@@ -23,15 +23,21 @@ partitioner's:
    Beside each, when the backward's weight-gradient gemms run: XLA
    schedules them next to the reduce-scatter they feed, after the input
    gradients, where DDP's run under its per-block all-reduces.
-3. The gradients of the upper blocks (the backward's first) all-reduced
+3. The groups chained instead, in backward order: each 64 MiB group's
+   gradients pass through one ``jax.lax.optimization_barrier`` with the
+   previous group's constrained ones, so that no reduce-scatter could be
+   combined with the next. Still one reduce-scatter (22,649 µs): sharding
+   propagation gives the barrier's operands the blocks' sharding, so the
+   partitioner reduces before the barrier, which then ties only the outputs
+   of reduce-scatters already placed.
+4. The gradients of the upper blocks (the backward's first) all-reduced
    whole, DDP's collective, and sliced on each device, the rest
-   reduce-scattered: the step barely moves (blocks 6-11: 22,410 µs
-   against 22,608 as it is; blocks 3-11: 23,305; DDP 19,925), as the
-   all-gathers after the update (about 3.3 ms at 16 GPUs) stay exposed
-   whatever reduced the gradients.
+   reduce-scattered: blocks 6-11 21,476 µs, blocks 3-11 21,223, against
+   22,594 as it is, 20,542 with XLA's threshold and DDP's 19,925.
 
 Run: ``python -m experiments.probes.untagged_reduce_scatter`` (needs the
-gpu-aot extra; about a minute).
+gpu-aot extra; about two minutes on 2 cores). Measured
+2026-12-06, 2-core x86_64 VM without a GPU, jax 0.10.2.
 """
 from __future__ import annotations
 
@@ -95,6 +101,35 @@ def _tagged_blocks(grads, g_specs, layout, mesh, where, axis):
 _AS_BLOCKS = jit_mode._as_blocks
 
 
+def _chained_blocks(grads, g_specs, layout, mesh, where, axis):
+  """jit_mode._as_blocks, the block-entering gradients constrained group
+  after group in backward order (64 MiB groups), each group first passed
+  through an optimization_barrier with the previous group's results."""
+  specs, grads = _AS_BLOCKS(grads, g_specs, layout, mesh, where, axis)
+  s_leaves = layout.treedef.flatten_up_to(specs)
+  g_leaves = layout.treedef.flatten_up_to(grads)
+  groups, filled = [[]], 0
+  for i in reversed(range(len(layout.leaves))):
+    s = layout.leaves[i]
+    if s.kind != lay.SHARD or s.padded_shape != s.shape:
+      continue
+    size = int(np.prod(s.shape)) * jnp.dtype(g_leaves[i].dtype).itemsize
+    if filled and filled + size > GROUP:
+      groups, filled = groups + [[]], 0
+    filled += size
+    groups[-1].append(i)
+  prev = None
+  for group in groups:
+    xs = [g_leaves[i] for i in group]
+    if prev is not None:
+      _, xs = jax.lax.optimization_barrier((prev, xs))
+    prev = [jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh or where, s_leaves[i])) for x, i in zip(xs, group)]
+    for x, i in zip(prev, group):
+      g_leaves[i] = x
+  return specs, layout.treedef.unflatten(g_leaves)
+
+
 def _upper_blocks_whole(first: int):
   """jit_mode._as_blocks, but the gradients of GPT-2's blocks ``first`` and
   above (the backward's first) enter whole: jit's partitioner all-reduces
@@ -155,6 +190,8 @@ def main() -> None:
       ("jit_grad", "jit_grad", None, {}),
       ("jit_grad, blocks constrained under a tag per group", "jit_grad",
        _tagged_blocks, {}),
+      ("jit_grad, groups chained by optimization barriers", "jit_grad",
+       _chained_blocks, {}),
       ("jit_grad, XLA's threshold at 8 MiB a device", "jit_grad", None,
        {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 << 20}),
       ("jit_grad, blocks 6-11 all-reduced whole", "jit_grad",
