@@ -34,9 +34,17 @@ partitioner's:
    whole, DDP's collective, and sliced on each device, the rest
    reduce-scattered: blocks 6-11 21,476 µs, blocks 3-11 21,223, against
    22,594 as it is, 20,542 with XLA's threshold and DDP's 19,925.
+5. The token and position embeddings' gradients all-reduced whole, so that
+   no all-gather of the lookups' indices and no all-to-all of their
+   gradients (the partitioner's scatter-add into the blocks) runs at the
+   backward's end, ahead of the reduce-scatters: 22,886 µs, and 22,730
+   with XLA's threshold, whose first reduce-scatter still starts after the
+   input gradients (13.5 ms, against 13.8 with the all-to-all): what keeps
+   the reduce-scatters late is where XLA schedules the weight gemms, not
+   the embeddings' collectives.
 
 Run: ``python -m experiments.probes.untagged_reduce_scatter`` (needs the
-gpu-aot extra; about two minutes on 2 cores). Measured
+gpu-aot extra; about eight minutes on 2 cores). Measured
 2026-12-06, 2-core x86_64 VM without a GPU, jax 0.10.2.
 """
 from __future__ import annotations
@@ -148,6 +156,22 @@ def _upper_blocks_whole(first: int):
   return as_blocks
 
 
+def _embeddings_whole(grads, g_specs, layout, mesh, where, axis):
+  """jit_mode._as_blocks, but the token and position embeddings' gradients
+  enter whole: the partitioner all-reduces them where the backward's
+  scatter-adds make them, with no all-gather of the lookups' indices and
+  no all-to-all of their gradients into the blocks."""
+  specs, grads = _AS_BLOCKS(grads, g_specs, layout, mesh, where, axis)
+  paths = [jax.tree_util.keystr(k) for k, _ in
+           jax.tree_util.tree_flatten_with_path(g_specs)[0]]
+  s_leaves = layout.treedef.flatten_up_to(specs)
+  whole = layout.treedef.flatten_up_to(g_specs)
+  for i, path in enumerate(paths):
+    if "embed" in path:
+      s_leaves[i] = whole[i]
+  return layout.treedef.unflatten(s_leaves), grads
+
+
 def weight_gemms(schedule) -> tuple[float, float]:
   """When the backward's weight-gradient gemms run (µs): jax transposes a
   ``dot_general`` into a gemm named ``.../transpose`` for the weight."""
@@ -197,7 +221,12 @@ def main() -> None:
       ("jit_grad, blocks 6-11 all-reduced whole", "jit_grad",
        _upper_blocks_whole(6), {}),
       ("jit_grad, blocks 3-11 all-reduced whole", "jit_grad",
-       _upper_blocks_whole(3), {})]:
+       _upper_blocks_whole(3), {}),
+      ("jit_grad, the embeddings all-reduced whole", "jit_grad",
+       _embeddings_whole, {}),
+      ("jit_grad, the embeddings whole, threshold 8 MiB", "jit_grad",
+       _embeddings_whole,
+       {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 << 20})]:
     n, step, exposed, ar, (w0, w1), starts = compiled(mesh, form, as_blocks, opts)
     print(f"{name:51} {n:3d} {step:7,.0f} {exposed:11,.0f} {ar:11,.0f} "
           f"{w0:7,.0f}-{w1:7,.0f}  "
