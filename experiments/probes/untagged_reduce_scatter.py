@@ -44,7 +44,7 @@ partitioner's:
    the embeddings' collectives.
 
 Run: ``python -m experiments.probes.untagged_reduce_scatter`` (needs the
-gpu-aot extra; about eight minutes on 2 cores). Measured
+gpu-aot extra; about two minutes on 2 cores). Measured
 2026-12-06, 2-core x86_64 VM without a GPU, jax 0.10.2.
 """
 from __future__ import annotations
