@@ -138,10 +138,10 @@ def _chained_blocks(grads, g_specs, layout, mesh, where, axis):
   return specs, layout.treedef.unflatten(g_leaves)
 
 
-def _upper_blocks_whole(first: int):
-  """jit_mode._as_blocks, but the gradients of GPT-2's blocks ``first`` and
-  above (the backward's first) enter whole: jit's partitioner all-reduces
-  them, as DDP's, and each device slices its block."""
+def _whole_where(enters_whole):
+  """jit_mode._as_blocks, but the gradients of the leaves whose path
+  ``enters_whole(path)`` enter whole: jit's partitioner all-reduces them,
+  as DDP's, and each device slices its block."""
   def as_blocks(grads, g_specs, layout, mesh, where, axis):
     specs, grads = _AS_BLOCKS(grads, g_specs, layout, mesh, where, axis)
     paths = [jax.tree_util.keystr(k) for k, _ in
@@ -149,27 +149,26 @@ def _upper_blocks_whole(first: int):
     s_leaves = layout.treedef.flatten_up_to(specs)
     whole = layout.treedef.flatten_up_to(g_specs)
     for i, path in enumerate(paths):
-      m = re.search(r"block_(\d+)", path)
-      if m and int(m.group(1)) >= first:
+      if enters_whole(path):
         s_leaves[i] = whole[i]
     return layout.treedef.unflatten(s_leaves), grads
   return as_blocks
 
 
-def _embeddings_whole(grads, g_specs, layout, mesh, where, axis):
-  """jit_mode._as_blocks, but the token and position embeddings' gradients
-  enter whole: the partitioner all-reduces them where the backward's
-  scatter-adds make them, with no all-gather of the lookups' indices and
-  no all-to-all of their gradients into the blocks."""
-  specs, grads = _AS_BLOCKS(grads, g_specs, layout, mesh, where, axis)
-  paths = [jax.tree_util.keystr(k) for k, _ in
-           jax.tree_util.tree_flatten_with_path(g_specs)[0]]
-  s_leaves = layout.treedef.flatten_up_to(specs)
-  whole = layout.treedef.flatten_up_to(g_specs)
-  for i, path in enumerate(paths):
-    if "embed" in path:
-      s_leaves[i] = whole[i]
-  return layout.treedef.unflatten(s_leaves), grads
+def _upper_blocks_whole(first: int):
+  """The gradients of GPT-2's blocks ``first`` and above (the backward's
+  first) enter whole."""
+  def upper(path: str) -> bool:
+    m = re.search(r"block_(\d+)", path)
+    return bool(m) and int(m.group(1)) >= first
+  return _whole_where(upper)
+
+
+# The token and position embeddings' gradients enter whole: the partitioner
+# all-reduces them where the backward's scatter-adds make them, with no
+# all-gather of the lookups' indices and no all-to-all of their gradients
+# into the blocks.
+_embeddings_whole = _whole_where(lambda path: "embed" in path)
 
 
 def weight_gemms(schedule) -> tuple[float, float]:
