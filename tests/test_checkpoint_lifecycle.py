@@ -179,14 +179,34 @@ def test_pythons_that_cannot_save_at_exit_save_synchronously(
     warnings.simplefilter("always")
     ck = z1.checkpoint.Checkpointer(tmp_path, async_save=True)
     z1.checkpoint.Checkpointer(tmp_path / "b", async_save=True)
-  said = [str(w.message) for w in caught if "3.12.3" in str(w.message)]
-  assert len(said) == (0 if works else 1), said
+  said = [w for w in caught if "3.12.3" in str(w.message)]
+  assert len(said) == (0 if works else 1), [str(w.message) for w in said]
+  # At the program's line (here), not inside zero1_jax or orbax.
+  assert all(w.filename == __file__ for w in said), [w.filename for w in said]
   ck.save(1, p, s)
   # Synchronous: committed (and listed in zero1_files.json) on return.
   assert (tmp_path / "1" / "zero1_files.json").exists() is (not works)
   ck.wait()
   assert ck.all_steps() == [1]
 
+
+
+def test_the_synchronous_save_warning_names_the_programs_line(
+    tmp_path, monkeypatch):
+  """Through the DeepSpeed engine the checkpointer is built two calls
+  inside zero1: the warning still points at the program's
+  ``save_checkpoint`` line, not at the library's."""
+  monkeypatch.setattr(lifecycle, "SAVE_AT_EXIT_WORKS", False)  # as on 3.12.1
+  monkeypatch.setattr(lifecycle, "_WARNED", False)
+  cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+  engine = z1.initialize(cfg, loss_fn=lambda p, b: jnp.sum(p["w"] * b),
+                         params={"w": jnp.zeros((4, 3))}, mesh=mesh(2))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    engine.save_checkpoint(tmp_path)
+  said = [w for w in caught if "3.12.3" in str(w.message)]
+  assert [w.filename for w in said] == [__file__], [
+      (w.filename, w.lineno) for w in said]
 
 def test_a_step_killed_before_its_file_list_gets_it_at_the_next_restore(
     tmp_path):

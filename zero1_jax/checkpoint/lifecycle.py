@@ -30,6 +30,8 @@ from typing import Callable
 
 from etils import epath
 
+from zero1_jax.core import placement
+
 _CALLBACKS: list[Callable[[], None]] = []
 _REGISTERED = False
 # CPython 3.12.0 to 3.12.2 refuse to start a thread as soon as interpreter
@@ -110,7 +112,7 @@ def async_save_allowed(requested: bool) -> bool:
         f"exit (CPython issue 113964, fixed in 3.12.3), so a save still "
         f"writing then would be lost; checkpoints are saved synchronously "
         f"on this Python. Use Python 3.12.3 or later for asynchronous saves.",
-        RuntimeWarning, stacklevel=3)
+        RuntimeWarning, stacklevel=placement.user_stacklevel())
   return False
 
 
