@@ -228,12 +228,29 @@ def test_each_gather_follows_one_reduce_scatter_group_across_hosts(program):
   assert len(set(mine)) == len(mine)
 
 
+def test_across_hosts_the_loss_is_summed_as_the_backward_starts(program):
+  """Across hosts the loss's all-reduce (z1.value_and_grad's value) rides
+  the chain from its start (core/chain.py): it waits for no reduce-scatter,
+  and every group's after the first waits for it, so XLA cannot leave it
+  for the step's end, a lone scalar over the network after the last
+  gather (with the token tied to the loss, it waited for every one)."""
+  instrs, deps = program
+  rs = [deps.node_of[k] for k in starts(instrs, "reduce-scatter")]
+  ar = [deps.node_of[k] for k in starts(instrs, "all-reduce")
+        if re.match(r"\(?f32\[\]", instrs[k].shape)]
+  assert len(ar) == 1, [instrs[k].shape for k in starts(instrs, "all-reduce")]
+  assert not [r for r in rs if deps.ancestors[ar[0]] >> r & 1]
+  assert sum(deps.ancestors[r] >> ar[0] & 1 for r in rs) >= len(rs) - 1 > 3
+
+
 def test_across_hosts_groups_and_chain_leave_the_values_bitwise():
   """The across-hosts groups and the chain's tie change which collective
   carries a leaf and what waits for what, not a value: on 8 CPU devices
   each device's gradient shards and the loss are bitwise those of the
   one-host groups (a reduce-scatter sums each element over the same
-  devices, whatever it is packed with; the tie adds 0 times the token)."""
+  devices, whatever it is packed with; the tie adds 0 times the token).
+  The loss's sum the chain carries across hosts (``total``, core/chain.py)
+  is bitwise ``jax.lax.psum``'s, on every device."""
   import jax.numpy as jnp
   import numpy as np
   import optax
@@ -260,12 +277,13 @@ def test_across_hosts_groups_and_chain_leave_the_values_bitwise():
                    for a in (True, False))
   assert apart != packed, packed
 
-  def run(across):
+  def run(across, total=False):
     def per_device(p, xb):
-      g, (loss, _) = zero2.reduced_grad_fn(
+      g, (loss, _), *summed = zero2.reduced_grad_fn(
           loss_fn, p, cfg, 8, None, "gpu", chain=True,
-          across_hosts=across)(xb)
-      return jax.tree.map(lambda a: a[None], g), loss[None]
+          across_hosts=across, total=total)(xb)
+      out = (jax.tree.map(lambda a: a[None], g), loss[None])
+      return out + tuple(t[None] for t in summed)
     shard_map = getattr(jax, "shard_map", None) or __import__(
         "jax.experimental.shard_map", fromlist=["shard_map"]).shard_map
     f = shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")),
@@ -278,6 +296,13 @@ def test_across_hosts_groups_and_chain_leave_the_values_bitwise():
   assert np.array_equal(np.asarray(l1), np.asarray(l0))
   for k in shapes:
     assert np.array_equal(np.asarray(g1[k]), np.asarray(g0[k])), k
+  (g2, l2, s2), (_, _, s0) = run(True, True), run(False, True)
+  s2, s0 = np.asarray(s2), np.asarray(s0)
+  assert np.array_equal(s2, s0) and np.all(s2 == s2[0]), (s2, s0)
+  assert abs(s2[0] - np.asarray(l0).sum()) <= 1e-5 * np.abs(np.asarray(l0)).sum()
+  assert np.array_equal(np.asarray(l2), np.asarray(l0))
+  for k in shapes:
+    assert np.array_equal(np.asarray(g2[k]), np.asarray(g0[k])), k
 
 
 def test_plain_jit_without_set_mesh_reads_its_hosts_from_zero1s_mesh():

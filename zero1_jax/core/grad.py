@@ -168,15 +168,15 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                else fun(q, *rebuild(rest[0])))
         loss, aux = out if has_aux else (out, None)
         return loss, (loss, aux)
-      g, (loss, aux) = zero2.reduced_grad_fn(
+      g, (loss, aux), summed = zero2.reduced_grad_fn(
           loss_of, p, cfg, n, order, platform, tables or None,
-          chain=gpu_like, across_hosts=apart)(a)
+          chain=gpu_like, across_hosts=apart, total=True)(a)
       if lookups:   # the lookups' gradient, summed over every device already
         g, g_tables = g
         g = _add_tables(g, g_tables, layout.treedef)
       if has_aux:
         aux = aux_.reduce(aux, rows, aux_reduce, axis)
-      return jax.lax.pmean(loss, axis), aux, g
+      return summed / n, aux, g   # jax.lax.pmean(loss, axis)'s sum and divide
 
     args = tuple(jax.tree.map(lambda x: _split(x, mesh, where, axis), a)
                  if i + 1 in argnums else a for i, a in enumerate(args))

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zero1_jax.core import chain as chaining
 from zero1_jax.core import collectives as col
 from zero1_jax.core import layout as lay
 from zero1_jax.core import order as ordering
@@ -153,7 +154,7 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
     return tuple(out)
 
   if waits is not None:
-    return _chained(reduce, waits)
+    return chaining.chained(reduce, waits)
 
   @jax.custom_vjp
   def hook(ps, slots):
@@ -166,32 +167,6 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
 
   def bwd(_, cts):
     return None, reduce(cts)
-
-  hook.defvjp(fwd, bwd)
-  return hook
-
-
-def _chained(reduce: Callable, waits: bool) -> Callable:
-  """:func:`reduce_hook`'s hook with a token: its cotangent arrives with the
-  earlier hooks' reduced shards behind it and leaves with this one's too."""
-
-  @jax.custom_vjp
-  def hook(ps, slots, tok):
-    del slots
-    return ps, tok
-
-  def fwd(ps, slots, tok):
-    del slots
-    return (ps, tok), None
-
-  def bwd(_, cts):
-    cts, done = cts
-    if waits:
-      cts, done = jax.lax.optimization_barrier((cts, done))
-    # The shards leave through the barrier: their users, and the next
-    # group's collective, then wait for this one's.
-    done, out = jax.lax.optimization_barrier((done, reduce(cts)))
-    return None, out, done
 
   hook.defvjp(fwd, bwd)
   return hook
@@ -311,7 +286,8 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
                     n: int, order: Sequence[int] | None = None,
                     platform: str | None = None,
                     tables: dict | None = None, chain: bool = False,
-                    across_hosts: bool = False) -> Callable:
+                    across_hosts: bool = False,
+                    total: bool = False) -> Callable:
   """``f(batch) -> (grads, aux)`` for ``jax.grad(loss_fn, has_aux=True)``
   with every leaf's gradient reduced in the backward pass
   (:func:`hook_groups` says which leaves share a collective).
@@ -329,13 +305,18 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
   1,538).
 
   ``across_hosts``: :func:`hook_groups`' groups for several hosts, and with
-  ``chain`` the chain kept whole: the token's last cotangent is added,
-  times 0, to ``aux``'s first floating leaf. Left unused, XLA cut the chain
+  ``chain`` the chain kept whole (:mod:`.chain`): the token's last
+  cotangent is the loss's sum with ``total``, else added, times 0, to
+  ``aux``'s first floating leaf. Left unused, XLA cut the chain
   after its first 4-5 groups (GPT-2 fp32, 8 and 16 H100s). Kept whole it
   is ahead across hosts only: GPT-2 fp32 on 16 H100s (2 hosts, XLA's cost
   model, buckets filled from the start) 20,150 µs against 20,878 with it
   cut; on 8 H100s (in
   place) 16,208 against 15,672.
+
+  ``total``: ``f(batch) -> (grads, aux, loss summed over the axis)``, the
+  sum ``jax.lax.psum`` gives; with the chain kept whole its all-reduce runs
+  as the backward starts and the chain carries it (:func:`.chain.carry_sum`).
   """
   layout = lay.plan(params, n)
   p_leaves = jax.tree.leaves(params)
@@ -366,37 +347,32 @@ def reduced_grad_fn(loss_fn: Callable, params: Any, cfg: Zero1Config,
       for i, p in zip(idx, ps):
         hooked[i] = p
     loss, aux = loss_fn(layout.treedef.unflatten(hooked), *args)
+    if keep and total:
+      return chaining.carry_sum(cfg.axis_name)(loss, tok), aux
     return loss + (0 * tok).astype(jnp.result_type(loss)), aux
 
   keep = chain and across_hosts
   argnums = (0,) + ((1,) if keep else ()) + ((2,) if tables else ())
-  grad = jax.grad(through_hooks, argnums=argnums, has_aux=True)
+  grad = jax.value_and_grad(through_hooks, argnums=argnums, has_aux=True)
 
   def f(batch):
-    tok = jnp.zeros((), jnp.float32)
-    found, aux = grad(slots, tok, *((tables,) if tables else ()), batch)
+    (loss, aux), found = grad(slots, chaining.token(),
+                              *((tables,) if tables else ()), batch)
     found = dict(zip(argnums, found))
     g_slots, g_tables = found[0], found.get(2)
-    if keep:
-      aux = _tie(aux, found[1])
+    summed = None
+    if keep and total:
+      summed = found[1].astype(loss.dtype)
+    elif keep:
+      aux = chaining.tie(aux, found[1])
+    elif total:
+      summed = jax.lax.psum(loss, cfg.axis_name)
     g = [None] * len(p_leaves)
     for idx, gs in zip(groups, g_slots):
       for i, x in zip(idx, gs):
         g[i] = x
     g = layout.treedef.unflatten(g)
-    return ((g, g_tables) if tables else g), aux
+    out = ((g, g_tables) if tables else g), aux
+    return out + (summed,) if total else out
 
   return f
-
-
-def _tie(aux: Any, done: jax.Array) -> Any:
-  """``aux`` with ``0 * done`` added to its first floating leaf (its value
-  unchanged: ``done`` is the chain's token, a zero), so that the chain's
-  last link has a user."""
-  leaves, treedef = jax.tree.flatten(aux)
-  for k, x in enumerate(leaves):
-    if jnp.issubdtype(jnp.result_type(x), jnp.floating):
-      leaves[k] = x + (0 * done).astype(jnp.result_type(x))
-      return treedef.unflatten(leaves)
-  raise ValueError("the chain's token needs a floating leaf in aux "
-                   "(z1.value_and_grad's loss)")
