@@ -66,25 +66,32 @@ def token() -> jax.Array:
   return jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
+def first_through(bwd: Callable, keep_first: bool = False) -> Callable:
+  """``f(a, b) -> a``, whose backward is ``bwd(a or None, ct) -> (a's
+  cotangent, b's)``: ``a`` is kept for it with ``keep_first``. The shape of
+  every hook here: the forward passes one input through, the backward hands
+  the other one what it computed (reduced shards, a sum)."""
+
+  @jax.custom_vjp
+  def f(a, b):
+    del b
+    return a
+
+  def fwd(a, b):
+    del b
+    return a, (a if keep_first else None)
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
 def carry_sum(axis_name: str) -> Callable:
   """``f(loss, tok) -> loss`` whose backward gives ``tok`` the cotangent
   ``psum(loss)`` (in the token's dtype; the loss's own in the sum): the
   first thing the backward does, so the chain after it carries the sum."""
-
-  @jax.custom_vjp
-  def carry(loss, tok):
-    del tok
-    return loss
-
-  def fwd(loss, tok):
-    del tok
-    return loss, loss
-
-  def bwd(loss, ct):
-    return ct, jax.lax.psum(loss, axis_name).astype(token().dtype)
-
-  carry.defvjp(fwd, bwd)
-  return carry
+  return first_through(
+      lambda loss, ct: (ct, jax.lax.psum(loss, axis_name).astype(token().dtype)),
+      keep_first=True)
 
 
 def tie(aux: Any, done: jax.Array) -> Any:

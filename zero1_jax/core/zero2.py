@@ -156,20 +156,7 @@ def reduce_hook(specs: Sequence[lay.LeafSpec], n: int, axis_name: str,
   if waits is not None:
     return chaining.chained(reduce, waits)
 
-  @jax.custom_vjp
-  def hook(ps, slots):
-    del slots
-    return ps
-
-  def fwd(ps, slots):
-    del slots
-    return ps, None
-
-  def bwd(_, cts):
-    return None, reduce(cts)
-
-  hook.defvjp(fwd, bwd)
-  return hook
+  return chaining.first_through(lambda _, cts: (None, reduce(cts)))
 
 
 def hook_groups(layout: lay.Layout, cfg: Zero1Config,
