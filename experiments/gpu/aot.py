@@ -285,9 +285,11 @@ def measure(form: str, name: str, dtype: str, gpus: int, kind: str = "h100",
 
 
 def key_values(text: str) -> dict:
-  """``KEY=VALUE,...`` as a dict, digits as integers."""
-  return {k: int(v) if v.isdigit() else v
-          for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+  """``KEY=VALUE,...`` as a dict, digits as integers, true/false as bools
+  (XLA's options take no string for a bool)."""
+  value = lambda v: (int(v) if v.isdigit() else
+                     {"true": True, "false": False}.get(v.lower(), v))
+  return {k: value(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
 
 
 def applicable(form: str, dtype: str) -> bool:
