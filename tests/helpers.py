@@ -317,3 +317,11 @@ def gpu_program_with_barriers(lowered, options: dict | None = None) -> str:
   with tempfile.TemporaryDirectory(prefix="zero1_barriers_") as d:
     c, _ = gpu.compile(lowered, {**(options or {}), **BARRIER_DUMP}, dump_to=d)
     return text_with_barriers(c, d)
+
+
+def starts(instrs, kind: str) -> list[int]:
+  """Indices of ``kind``'s collectives (sync, ``-start``, or jax 0.12's
+  ``async-start`` naming it) among a computation's instructions."""
+  return [k for k, i in enumerate(instrs)
+          if i.opcode in (kind, f"{kind}-start")
+          or (i.opcode == "async-start" and kind in i.attrs)]

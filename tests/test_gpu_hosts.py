@@ -22,7 +22,7 @@ from experiments.gpu import aot as gpu_aot
 from zero1_jax.core import layout as lay
 from zero1_jax.core import zero2
 from zero1_jax.inspect import gpu, hlo_graph
-from helpers import gpu_program_with_barriers
+from helpers import gpu_program_with_barriers, starts
 
 MODEL, BUCKET = "small-bert", 1 << 20
 
@@ -164,8 +164,8 @@ def test_packed_buckets_are_read_only_by_the_copies_out(form):
   its bucket before anything reads it. Without that, XLA fused the slices
   into the layers reading them (layer norms, the attention's reshapes) and
   two 64 MiB buckets of BERT-base fp32 stayed live into the backward, at
-  the peak (1,932 MiB on 16 H100s, 1,813 with the copies; in place
-  1,806). Every reader of a bucket is slicing or concatenating it, none is
+  the peak (1,932 MiB on 16 H100s, 1,806 with the copies, as in
+  place). Every reader of a bucket is slicing or concatenating it, none is
   the model's forward or backward (``jvp(`` in its op name)."""
   low = gpu_aot.lower(form, MODEL, "fp32", gpu.mesh(16, hosts=2),
                       bucket_bytes=BUCKET)
@@ -191,12 +191,6 @@ def program():
   module = hlo_graph.parse(gpu_program_with_barriers(low))
   instrs = module.computations[module.entry]
   return instrs, hlo_graph.dependencies(instrs)
-
-
-def starts(instrs, kind: str) -> list[int]:
-  return [k for k, i in enumerate(instrs)
-          if i.opcode in (kind, f"{kind}-start")
-          or (i.opcode == "async-start" and kind in i.attrs)]
 
 
 def test_every_reduce_scatter_waits_for_all_before_it_across_hosts(program):

@@ -255,8 +255,8 @@ def _gather_leaf(shard: jax.Array, spec: LeafSpec, axis_name: str) -> jax.Array:
 def all_gather(shards: dict[int, jax.Array], layout: Layout,
                buckets: Sequence[Bucket], axis_name: str,
                copy_out: bool = False,
-               after: dict[int, Sequence[jax.Array]] | None = None
-               ) -> dict[int, jax.Array]:
+               after: dict[int, Sequence[jax.Array]] | None = None,
+               chained: bool = False) -> dict[int, jax.Array]:
   """Rebuilds full leaves from every device's shard; one collective a bucket.
 
   ``shards[i]`` must already be in the dtype its bucket travels in. The result
@@ -268,23 +268,29 @@ def all_gather(shards: dict[int, jax.Array], layout: Layout,
   step-start gathers on 16 H100s: two 64 MiB buckets live at the peak).
   ``after``: {bucket index: arrays} the bucket's gather waits for (through
   an ``optimization_barrier``; :func:`zero1_jax.core.gather.waits`).
+  ``chained``: each bucket's gather waits for the one before it, so they
+  run in the order of ``buckets`` (XLA otherwise issues them in any order).
   """
   n = layout.num_shards
   cols: dict[int, list[jax.Array]] = {}
   out = {}
+  prev: list[jax.Array] = []
   for k, b in enumerate(buckets):
+    waits = list((after or {}).get(k) or ()) + (prev if chained else [])
     i = b.whole_leaf(layout)
     if i is not None:
-      x = _waiting(shards[i], (after or {}).get(k))
+      x = _waiting(shards[i], waits)
       with ordering.tagged(GATHER_KEY.format(b.group)):
         out[i] = _gather_leaf(x, layout.leaves[i], axis_name)
+      prev = [out[i]]
       continue
     parts = [shards[s.leaf].reshape(-1)[s.start:s.start + s.length]
              for s in b.segments]
     buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    buf = _waiting(buf, (after or {}).get(k))
+    buf = _waiting(buf, waits)
     with ordering.tagged(GATHER_KEY.format(b.group)):
       full = jax.lax.all_gather(buf, axis_name, tiled=True, to="invarying")
+    prev = [full]
     full = full.reshape(n, -1)
     at = 0
     for s in b.segments:

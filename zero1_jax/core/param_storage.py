@@ -135,10 +135,14 @@ class Storage(NamedTuple):
         tuple(i for i in (order or range(len(leaves))) if i in keep),
         None if order is None else "first")
     # Across hosts the packed leaves are copied out, so that no bucket
-    # outlives the forward: BERT-base fp32's peak on 16 H100s 1,813 MiB,
-    # 1,932 without the copies (in place: 1,806).
+    # outlives the forward (BERT-base fp32's peak on 16 H100s 1,806 MiB,
+    # as in place; 1,932 without the copies), and gathered one after
+    # another in the order the forward reads them: left to XLA, the last
+    # (part-full) bucket went first and the forward's first layer waited
+    # for three gathers (there, XLA's cost model: 12,158 µs a step, in
+    # order 11,899; docs/gpu.md "Across hosts").
     whole = col.all_gather(sent, layout, buckets, cfg.axis_name,
-                           copy_out=across_hosts)
+                           copy_out=across_hosts, chained=across_hosts)
     whole = {i: w.astype(leaves[i].dtype) for i, w in whole.items()}
     return layout.treedef.unflatten(
         [whole[i] if i in keep else x for i, x in enumerate(leaves)]), blocks
