@@ -109,7 +109,8 @@ class Storage(NamedTuple):
     the forward reads them. ``across_hosts`` (the data axis over several
     hosts): ``inplace_bytes="auto"`` packs them, in buckets of at most
     :data:`~zero1_jax.core.layout.GROUP_BYTES`
-    (:meth:`~zero1_jax.core.tx_config.Zero1Config.inplace_threshold`).
+    (:meth:`~zero1_jax.core.tx_config.Zero1Config.inplace_threshold`),
+    each bucket's gather waiting for the one before it.
     ``narrow``: {leaf: dtype} of leaves the loss reads only cast to that
     narrower dtype (:mod:`.narrow`): gathered cast, and widened back, so
     the loss reads the values it would have cast them to."""
