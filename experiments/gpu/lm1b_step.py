@@ -26,7 +26,8 @@ shards, ``(1 - 1/N)`` of them.
 
 ``--zero1-only``: a checkout whose ``train_step`` was changed to call
 ``z1.value_and_grad`` (its ``loss_fn`` taking ``inputs`` and ``weights`` as
-arguments), which takes zero1's transformation only.
+arguments), which takes zero1's transformation only. ``--zero1 K=V,...``:
+more keywords for ``z1.zero1`` (as aot.py's).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zero1_jax as z1  # noqa: E402
+from experiments.gpu import aot  # noqa: E402
 from experiments.gpu.real_steps import stub_unused  # noqa: E402
 from zero1_jax.inspect import gpu  # noqa: E402
 
@@ -65,9 +67,9 @@ def import_lm1b(path: str):
   return train, models, utils, default
 
 
-def lowered(lm1b, gpus: int, zero1: bool):
+def lowered(lm1b, gpus: int, zero1: bool, **zero1_kw):
   """lm1b's jitted train step for ``gpus`` GPUs (8 a host), and its param
-  count."""
+  count (``zero1_kw``: more keywords for ``z1.zero1``)."""
   from flax import linen as nn
   from jax.sharding import NamedSharding, PartitionSpec as P
   train, models, utils, default = lm1b
@@ -92,7 +94,7 @@ def lowered(lm1b, gpus: int, zero1: bool):
       learning_rate=config.learning_rate, warmup_steps=config.warmup_steps)
   tx = optax.adamw(lr, b1=0.9, b2=0.98, eps=1e-9, weight_decay=config.weight_decay)
   if zero1:
-    tx = z1.zero1(tx, axis_name="data", mesh=mesh)
+    tx = z1.zero1(tx, axis_name="data", mesh=mesh, **zero1_kw)
   # utils.setup_initial_state, abstract: its shardings, no init run
   init = functools.partial(utils.init_train_state, model, tx, config)
   abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
@@ -123,9 +125,12 @@ def main(argv=None) -> None:
   ap.add_argument("--zero1-only", action="store_true",
                   help="the zero1 step alone (a checkout whose train_step "
                        "calls z1.value_and_grad, which takes zero1's tx only)")
+  ap.add_argument("--zero1", default="", help="KEY=VALUE,... more keywords for "
+                  "z1.zero1, e.g. inplace_bytes=1")
   args = ap.parse_args(argv)
+  kw = aot.key_values(args.zero1) if args.zero1 else {}
   real_steps.table("flax lm1b's train step, data-parallel, its default config",
-                   lowered, import_lm1b(args.flax),
+                   functools.partial(lowered, **kw), import_lm1b(args.flax),
                    [int(g) for g in args.gpus.split(",")], state_bytes=8,
                    zero1_only=args.zero1_only, xla=real_steps.xla_options(args.xla))
 
