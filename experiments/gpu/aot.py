@@ -67,7 +67,7 @@ from zero1_jax.inspect import gpu, schedule as sched  # noqa: E402
 from zero1_jax.models import bert, gpt  # noqa: E402
 from experiments.probes import peak_breakdown  # noqa: E402
 from experiments.gpu.aot_tables import (  # noqa: E402
-    BASELINES, FORMS, glance, lines, scaling, table)
+    BASELINES, FORMS, glance, goals, lines, scaling, table)
 
 # the params' dtype and the compute dtype: "mixed" is fp32 params computing
 # in bf16 (flax's lm1b's and nanodo's precision), where DDP keeps no master
@@ -292,6 +292,11 @@ def key_values(text: str) -> dict:
   return {k: value(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
 
 
+GOALS_HEAD = ("Each zero1 form against the goals of docs/gpu.md (XLA's cost model; "
+              "`python -m experiments.gpu.aot --tables experiments/results/gpu_aot.json "
+              "--lines --goals --out experiments/results`)\n\n")
+
+
 def applicable(form: str, dtype: str) -> bool:
   return form != "ddp_nomaster" or dtype == "bf16"
 
@@ -317,6 +322,8 @@ def main(argv=None) -> None:
                        "xla_gpu_reduce_scatter_combine_threshold_bytes=8388608")
   ap.add_argument("--lines", action="store_true",
                   help="also print each zero1 form's peak against DDP's less the state it saves")
+  ap.add_argument("--goals", action="store_true",
+                  help="also print which rows meet each goal of aot_tables.GOALS")
   a = ap.parse_args(argv)
   zero1_kw, xla = key_values(a.zero1), key_values(a.xla)
   rows = []
@@ -345,10 +352,12 @@ def main(argv=None) -> None:
            "brackets: / DDP's step)\n\n" + scaling(rows)
            + "\n\n**At a glance** (step / DDP's, the range over the models)\n\n"
            + glance(rows))
+  sizes = lambda: {m: sum(x.size for x in jax.tree.leaves(model(m, "fp32")[0]))
+                   for m in {r["model"] for r in rows}}
   if a.lines:
-    md += "\n\n**Peak per GPU against the memory line**\n\n" + lines(rows, {
-        m: sum(x.size for x in jax.tree.leaves(model(m, "fp32")[0]))
-        for m in {r["model"] for r in rows}})
+    md += "\n\n**Peak per GPU against the memory line**\n\n" + lines(rows, sizes())
+  if a.goals:
+    print(GOALS_HEAD + goals(rows, sizes()))
   print(md)
   if a.out:
     os.makedirs(a.out, exist_ok=True)
@@ -356,6 +365,9 @@ def main(argv=None) -> None:
       json.dump(rows, f, indent=1)
     with open(os.path.join(a.out, "gpu_aot.md"), "w") as f:
       f.write(md + "\n")
+    if a.goals:
+      with open(os.path.join(a.out, "gpu_goals.md"), "w") as f:
+        f.write(GOALS_HEAD + goals(rows, sizes()) + "\n")
 
 
 if __name__ == "__main__":

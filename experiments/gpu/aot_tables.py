@@ -145,3 +145,65 @@ def scaling(rows: list[dict]) -> str:
       if any(cells):
         out.append(f"| {m}, {dt} | {f} | " + " | ".join(cells) + " |")
   return "\n".join(out)
+
+
+# The goals the estimates are held to (issue #39, item 5): the forms that own
+# the step, and plain jit with z1.value_and_grad, by their time above the
+# floor against DDP's on one host; every zero1 form against GSPMD's step, and
+# against DDP's across hosts; and each peak against memory_line.
+OWN_STEP = ("train_step", "zero2", "engine")
+ZERO1_FORMS = OWN_STEP + ("jit_vg", "jit_grad")
+GOALS = (
+    ("own the step: above floor <= 0.25 x DDP's, 8 GPUs", OWN_STEP, "above", 0.25),
+    ("z1.value_and_grad: above floor <= 0.75 x DDP's, 8 GPUs", ("jit_vg",), "above", 0.75),
+    ("every form: step <= GSPMD's", ZERO1_FORMS, "gspmd", 1.0),
+    ("every form, 16-64 GPUs: step <= DDP's", ZERO1_FORMS, "ddp", 1.0),
+    ("every form: peak <= the memory line", ZERO1_FORMS, "peak", 0.0),
+)
+
+
+def goals(rows: list[dict], params: dict[str, int]) -> str:
+  """Markdown: per goal of :data:`GOALS`, the rows it applies to (fp32 and
+  bf16 params; fp32 params computing in bf16 apart), how many meet it, and
+  each one that does not, with its value against the bound
+  (``params``: model -> its parameter count, for :func:`memory_line`).
+
+  Example:
+    >>> rows = [{"model": "a", "dtype": "fp32", "gpus": 16, "form": f, "step_us": t}
+    ...         for f, t in [("floor", 50), ("ddp", 100), ("gspmd", 105),
+    ...                      ("jit_vg", 90), ("jit_grad", 103)]]
+    >>> print(goals(rows, {"a": 1}).splitlines()[3])
+    | every form, 16-64 GPUs: step <= DDP's | fp32, bf16 | 1 of 2 | a fp32 16 jit_grad: 1.030 |
+  """
+  by = {(r["model"], r["dtype"], r["gpus"], r["form"]): r for r in rows}
+  out = ["| goal | params | met | not met (value against the bound) |",
+         "|---|---|---|---|"]
+  for name, forms, kind, bound in GOALS:
+    for dtypes in (("fp32", "bf16"), ("mixed",)):
+      met, missed = 0, []
+      for r in rows:
+        m, dt, g, f = r["model"], r["dtype"], r["gpus"], r["form"]
+        if f not in forms or dt not in dtypes:
+          continue
+        if kind in ("above",) and g != 8 or kind == "ddp" and g == 8:
+          continue
+        floor, ddp, gspmd = (by.get((m, dt, g, b)) for b in ("floor", "ddp", "gspmd"))
+        if kind == "above" and floor and ddp:
+          v = (r["step_us"] - floor["step_us"]) / (ddp["step_us"] - floor["step_us"])
+          ok, txt = v <= bound, f"{v:.2f} x"
+        elif kind in ("gspmd", "ddp") and (gspmd if kind == "gspmd" else ddp):
+          v = r["step_us"] / (gspmd if kind == "gspmd" else ddp)["step_us"]
+          ok, txt = v <= bound, f"{v:.3f}"
+        elif kind == "peak" and ddp and "peak_bytes" in r:
+          v = r["peak_bytes"] - memory_line(r, ddp, params[m])
+          ok, txt = v <= bound, (f"+{v / 2 ** 20:.1f} MiB" if v >= 2 ** 20
+                                 else f"+{v / 2 ** 10:.0f} KiB")
+        else:
+          continue
+        met += ok
+        if not ok:
+          missed.append(f"{m} {dt} {g} {f}: {txt}")
+      if met or missed:
+        out.append(f"| {name} | {', '.join(dtypes)} | {met} of {met + len(missed)} | "
+                   + "; ".join(missed) + " |")
+  return "\n".join(out)
