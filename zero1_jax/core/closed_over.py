@@ -34,6 +34,8 @@ from typing import Callable
 import jax
 import numpy as np
 
+from zero1_jax.core import explicit_consts
+
 CLOSED_OVER = (
     "zero1: z1.value_and_grad(fun, tx): fun closes over an array of shape "
     "{shape} sharded over the data axis '{axis}' ({spec}), e.g. the batch. "
@@ -43,6 +45,35 @@ CLOSED_OVER = (
     "FLOPs; the result is the same). Pass it as an argument: "
     "z1.value_and_grad(lambda params, batch: ..., tx)(params, batch) "
     "(batch_argnums=(1,) splits it over '{axis}').")
+
+
+EXPLICIT = (
+    "zero1: z1.value_and_grad(fun, tx): fun closes over {what} on a mesh "
+    "with Explicit axes (jax.make_mesh's default). fun runs on each device inside a shard_map, which JAX does not "
+    "let close over such a value. Pass it to fun as an argument after the "
+    "batch: z1.value_and_grad(lambda params, batch, extra: ..., tx)(params, "
+    "batch, extra); arguments outside batch_argnums {argnums} reach every "
+    "device whole. Or use a mesh with Auto axes "
+    "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))).")
+
+
+KEY_CLOSED_OVER = (
+    "zero1: z1.value_and_grad(fun, tx): fun closes over a PRNG key, which "
+    "is the same on every device: each device draws the same random numbers "
+    "for its rows (the same dropout masks on every device, where "
+    "jax.value_and_grad draws them for the whole batch). Pass the key as an "
+    "argument after the batch, z1.value_and_grad(lambda params, batch, rng: "
+    "..., tx)(params, batch, rng): each device's index along the data axis "
+    "is folded into a key argument (device_keys=True).")
+
+
+def is_key(x) -> bool:
+  """A PRNG key: typed, or raw ``uint32[2]`` (``jax.random.PRNGKey``'s)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  return (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+          or (dtype == np.uint32 and np.shape(x) == (2,)))
 
 
 def _is_array(x) -> bool:
@@ -86,14 +117,18 @@ def _data_spec(sharding, axis: str):
 
 
 def check_closed_over(fun: Callable, args: tuple, axis: str, n: int,
-                      argnums: tuple) -> None:
+                      argnums: tuple, movable: bool = True) -> bool:
   """Warns (:data:`CLOSED_OVER`) for each array ``fun(*args)`` closes over
   that is sharded over ``axis``. Traces ``fun`` once more for its jaxpr.
+  Returns whether it closes over an array on a mesh with Explicit axes
+  that ``shard_map`` refuses and :func:`.explicit_consts.movable` can move
+  (a concrete one; ``movable`` False: raises for it too).
 
   Raises:
-    ValueError: such an array typed on an Explicit axis."""
+    ValueError: such an array sharded over ``axis`` (:data:`CLOSED_OVER`),
+      or traced on an Explicit mesh (:data:`EXPLICIT`)."""
   consts = jax.make_jaxpr(fun)(*args).consts
-  said = []
+  said, to_move = [], False
 
   def say(x, spec):
     if not said:
@@ -102,7 +137,19 @@ def check_closed_over(fun: Callable, args: tuple, axis: str, n: int,
                                        spec=spec, argnums=argnums, n=n),
                     UserWarning, stacklevel=4)
 
+  if any(is_key(x) for x in consts):
+    warnings.warn(KEY_CLOSED_OVER, UserWarning, stacklevel=4)
   for x in consts:
+    data = (math.prod(np.shape(x)) >= n and np.ndim(x) > 0 and _data_spec(
+        getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer)
+        else getattr(jax.typeof(x), "sharding", None), axis))
+    if not data and explicit_consts.traced_on_explicit(x):
+      raise ValueError(EXPLICIT.format(what=_what(x), argnums=argnums))
+    if not data and explicit_consts.on_explicit_mesh(x):
+      if not movable:
+        raise ValueError(EXPLICIT.format(what=_what(x), argnums=argnums))
+      to_move = True
+      continue
     if np.ndim(x) == 0 or math.prod(np.shape(x)) < n:
       continue
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
@@ -126,3 +173,11 @@ def check_closed_over(fun: Callable, args: tuple, axis: str, n: int,
     jax.debug.inspect_array_sharding(
         x, callback=lambda s, x=x: (_data_spec(s, axis) is not None
                                     and say(x, _data_spec(s, axis))))
+  return to_move
+
+
+def _what(x) -> str:
+  what = ("a PRNG key" if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+          else f"an array of shape {tuple(np.shape(x))} ({np.dtype(x.dtype).name})")
+  return what + (", a value of the jit being traced,"
+                 if isinstance(x, jax.core.Tracer) else "")

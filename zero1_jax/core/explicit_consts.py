@@ -19,7 +19,10 @@ It follows what defines an optax transformation: the ``init`` / ``update``
 functions, their closures and defaults, ``functools.partial`` arguments,
 tuples, lists, dicts and NamedTuples (nested transformations). Functions are
 copied, never changed: the caller's optimizer keeps its arrays. Nothing to
-move: the same object back.
+move: the same object back. A value of the jit being traced typed on such
+a mesh (zero1 built inside the jitted step: ``optax.inject_hyperparams(
+lambda lr: z1.zero1(optax.adam(lr)))``) has no value to move: refused
+(:data:`TRACED`), with the form that works.
 
 Example:
   >>> import optax
@@ -40,7 +43,21 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 
-def _on_explicit_mesh(x: Any) -> bool:
+TRACED = (
+    "zero1: the optimizer closes over a value of the jit being traced ({what}), "
+    "on a mesh with Explicit axes: zero1 runs the optimizer inside a shard_map, "
+    "which JAX does not let close over such a value. This happens when "
+    "z1.zero1(...) is built inside the jitted step, e.g. "
+    "optax.inject_hyperparams(lambda lr: z1.zero1(optax.adam(lr))) or a "
+    "learning rate passed into jit. Build zero1 outside the jit and put "
+    "inject_hyperparams inside it: "
+    "z1.zero1(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)), "
+    "and set opt_state.hyperparams['learning_rate'] between steps; or use a "
+    "mesh with Auto axes "
+    "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))).")
+
+
+def on_explicit_mesh(x: Any) -> bool:
   if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
     return False
   s = getattr(x, "sharding", None)
@@ -69,14 +86,14 @@ def _filled(cell) -> bool:
   return True
 
 
-def _function(f: types.FunctionType, memo: dict) -> types.FunctionType:
+def _function(f: types.FunctionType, memo: dict, found: list) -> types.FunctionType:
   """``f``, or a copy whose closure cells and defaults hold the walked
   values where any of them changed."""
   cells = [c for c in (f.__closure__ or ()) if _filled(c)]
   old = [c.cell_contents for c in cells]
-  new = [_walk(v, memo) for v in old]
-  defaults = _walk(f.__defaults__, memo)
-  kwdefaults = _walk(f.__kwdefaults__, memo)
+  new = [_walk(v, memo, found) for v in old]
+  defaults = _walk(f.__defaults__, memo, found)
+  kwdefaults = _walk(f.__kwdefaults__, memo, found)
   if (all(a is b for a, b in zip(old, new)) and defaults is f.__defaults__
       and kwdefaults is f.__kwdefaults__):
     return f
@@ -91,39 +108,62 @@ def _function(f: types.FunctionType, memo: dict) -> types.FunctionType:
   return g
 
 
-def _walk(obj: Any, memo: dict) -> Any:
+def _walk(obj: Any, memo: dict, found: list) -> Any:
   key = id(obj)
   if key in memo:
     return memo[key]
   memo[key] = obj   # a cycle leads back to the object as it is
   out = obj
-  if _on_explicit_mesh(obj):
+  if on_explicit_mesh(obj):
     out = _moved(obj)
+  elif traced_on_explicit(obj):
+    found.append(obj)
   elif isinstance(obj, types.FunctionType):
-    out = _function(obj, memo)
+    out = _function(obj, memo, found)
   elif isinstance(obj, functools.partial):
-    func, args = _walk(obj.func, memo), _walk(obj.args, memo)
-    kw = _walk(obj.keywords, memo)
+    func, args = _walk(obj.func, memo, found), _walk(obj.args, memo, found)
+    kw = _walk(obj.keywords, memo, found)
     if func is not obj.func or args is not obj.args or kw is not obj.keywords:
       out = functools.partial(func, *args, **kw)
   elif isinstance(obj, tuple) and hasattr(obj, "_fields"):   # NamedTuple
-    items = [_walk(v, memo) for v in obj]
+    items = [_walk(v, memo, found) for v in obj]
     if any(a is not b for a, b in zip(items, obj)):
       out = type(obj)(*items)
   elif type(obj) in (tuple, list):
-    items = [_walk(v, memo) for v in obj]
+    items = [_walk(v, memo, found) for v in obj]
     if any(a is not b for a, b in zip(items, obj)):
       out = type(obj)(items)
   elif type(obj) is dict:
-    items = {k: _walk(v, memo) for k, v in obj.items()}
+    items = {k: _walk(v, memo, found) for k, v in obj.items()}
     if any(items[k] is not v for k, v in obj.items()):
       out = items
   memo[key] = out
   return out
 
 
+def traced_on_explicit(x: Any) -> bool:
+  """Whether ``x`` is a tracer typed on a mesh with ``Explicit`` axes (a value
+  of the jit being traced): ``shard_map`` cannot close over it, and it has no
+  value to move."""
+  if not isinstance(x, jax.core.Tracer):
+    return False
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
 def movable(tx: Any) -> Any:
   """``tx`` with every array it closes over that sits on a mesh with
-  ``Explicit`` axes moved to that mesh's ``Auto`` copy (module docstring);
-  ``tx`` itself when there is none."""
-  return _walk(tx, {})
+  ``Explicit`` axes moved off it (module docstring); ``tx`` itself when
+  there is none.
+
+  Raises:
+    ValueError: ``tx`` closes over a traced value typed on such a mesh
+      (:data:`TRACED`)."""
+  found: list = []
+  out = _walk(tx, {}, found)
+  if found:
+    x = found[0]
+    raise ValueError(TRACED.format(what=jax.typeof(x).str_short()
+                                   if hasattr(jax.typeof(x), "str_short")
+                                   else jax.typeof(x)))
+  return out

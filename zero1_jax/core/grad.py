@@ -56,6 +56,7 @@ from zero1_jax.core import platform as platforms
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
 from zero1_jax.core import closed_over
+from zero1_jax.core import explicit_consts
 from zero1_jax.core import collectives as col
 from zero1_jax.core import lookup
 from zero1_jax.core import sharded_grads
@@ -70,7 +71,8 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                    has_aux: bool = False,
                    batch_argnums: Sequence[int] = (1,),
                    shard_lookups: bool | str = "auto",
-                   aux_reduce: str | Callable = aux_.MEAN) -> Callable:
+                   aux_reduce: str | Callable = aux_.MEAN,
+                   device_keys: bool = True) -> Callable:
   """``jax.value_and_grad(fun, has_aux=has_aux)`` for ``tx``'s training:
   ``f(params, *args) -> (value, grads)`` (``((value, aux), grads)`` with
   ``has_aux``).
@@ -88,6 +90,16 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     batch_argnums: positions (in ``(params, *args)``) of the arguments split
       over the data axis on their leading dim: the batch. Other arguments
       (an RNG key, a step) are handed whole to every device.
+    device_keys: each PRNG key among the other arguments (a typed key, or a
+      raw ``uint32[2]`` one from ``jax.random.PRNGKey``) reaches ``fun`` with
+      the device's index along the data axis folded in
+      (``jax.random.fold_in(key, jax.lax.axis_index(axis))``, as flax's pmap
+      examples fold it into their dropout key), so the devices draw
+      different dropout masks and noise for their rows; ``jax.value_and_grad``
+      draws one for the whole batch, so the draws differ from its, not their
+      distribution. False: every device gets the key as given and draws the
+      same numbers for its rows. A key ``fun`` closes over is the same on
+      every device (a warning says so).
     shard_lookups: a 2-D leaf split over the data axis on its columns that
       ``fun`` reads by rows (an embedding) has its lookups' gradient sent
       to each device's column block (core/lookup.py): the rows read from
@@ -115,6 +127,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
   """
   if not isinstance(tx, Zero1Transformation):
     raise TypeError(NOT_ZERO1.format(got=type(tx).__qualname__))
+  fun_given = fun
   cfg = tx.config
   axis = cfg.axis_name
   argnums = tuple(int(i) for i in batch_argnums)
@@ -130,9 +143,17 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     n = where.shape[axis]
     if pax.resolve(params, dict(where.shape), axis, cfg.param_specs) is not None:
       raise ValueError(jm.SHARDED_2D)
+    _check_batch(args, argnums)
     layout = lay.plan(params, n)
-    closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
-                                  (params,) + args, axis, n, argnums)
+    fun = fun_given
+    if closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
+                                     (params,) + args, axis, n, argnums):
+      # arrays on an Explicit mesh it closes over, which shard_map refuses:
+      # moved off the mesh where the closure reaches them
+      fun = explicit_consts.movable(fun)
+      closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
+                                    (params,) + args, axis, n, argnums,
+                                    movable=False)
     platform = platforms.resolve(where)
     plain = lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux)
     rows = (aux_.per_example(lambda p, *a: fun(p, *rebuild(a))[1],
@@ -153,6 +174,8 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     apart = platform == "gpu" and not platforms.one_host(where, cfg.mesh)
 
     def per_device(p, *a):
+      if device_keys:
+        a = _device_keys(a, argnums, axis)
       # The lookups read the whole table; their blocks stand only for the
       # gradient, so zeros of a block's shape (no slice of the table that XLA
       # could merge with tx.update's and keep live from the first lookup to
@@ -222,6 +245,32 @@ def _lookups(shard_lookups: bool | str, platform: str, where: Any,
                      candidates=candidates)
 
 
+def _device_keys(args: tuple, argnums: tuple, axis: str) -> tuple:
+  """``args`` (one device's, in the shard_map) with the device's index along
+  ``axis`` folded into each PRNG key outside the batch arguments."""
+  fold = lambda x: (jax.random.fold_in(x, jax.lax.axis_index(axis))
+                    if closed_over.is_key(x) else x)
+  return tuple(a if i + 1 in argnums else jax.tree.map(fold, a)
+               for i, a in enumerate(args))
+
+
+def _check_batch(args: tuple, argnums: tuple) -> None:
+  """Every array of the batch arguments has a leading dim to split."""
+  for i, a in enumerate(args):
+    if i + 1 not in argnums:
+      continue
+    for path, x in jax.tree_util.tree_leaves_with_path(a):
+      if x is not None and jnp.ndim(x) == 0:
+        raise ValueError(
+            f"zero1: z1.value_and_grad: argument {i + 1}"
+            f"{jax.tree_util.keystr(path)} is a scalar in the batch "
+            f"(batch_argnums={argnums}), whose arrays are split over the data "
+            f"axis on their leading dim. Pass it in an argument of its own "
+            f"outside batch_argnums, which every device gets whole: "
+            f"z1.value_and_grad(lambda params, batch, scale: ..., tx)"
+            f"(params, batch, scale).")
+
+
 def _pieces(args: tuple, argnums: tuple, n: int) -> tuple:
   """``args`` as one device sees them, abstract: the batch arguments'
   leading dims split ``n`` ways."""
@@ -259,12 +308,14 @@ def _split(x, mesh, where, axis: str):
 def grad(fun: Callable, tx: Zero1Transformation, *, has_aux: bool = False,
          batch_argnums: Sequence[int] = (1,),
          shard_lookups: bool | str = "auto",
-         aux_reduce: str | Callable = aux_.MEAN) -> Callable:
+         aux_reduce: str | Callable = aux_.MEAN,
+         device_keys: bool = True) -> Callable:
   """``jax.grad`` for ``tx``'s training: ``f(params, *args) -> grads`` (or
   ``(grads, aux)``), the gradients reduce-scattered in the backward, as
   :func:`value_and_grad`."""
   vg = value_and_grad(fun, tx, has_aux=has_aux, batch_argnums=batch_argnums,
-                      shard_lookups=shard_lookups, aux_reduce=aux_reduce)
+                      shard_lookups=shard_lookups, aux_reduce=aux_reduce,
+                      device_keys=device_keys)
 
   def f(params, *args):
     value, grads = vg(params, *args)
