@@ -126,6 +126,23 @@ def test_after_jits_reduce_gpu_gathers_are_packed_later_dims_first():
   assert leaves(in_step) == [[0], [1], [2]]
 
 
+def test_with_the_loss_read_order_reduced_in_its_reverse_gathered_in_it():
+  """``order`` (the leaves as the loss first reads them, core/order.py):
+  the reduce buckets go in its reverse (the backward's order: the last
+  layer's gradient is complete first), the gathers in it. Four leaves of
+  32 KiB, 64 KiB buckets, nothing in place."""
+  from zero1_jax.core import plan
+  from zero1_jax.core.tx_config import Zero1Config
+  params = [np.zeros((64, 128), np.float32)] * 4
+  layout = lay.plan(params, 8)
+  cfg = Zero1Config("data", bucket_bytes=1 << 16, inplace_bytes=None)
+  leaves = lambda bs: [[s.leaf for s in b.segments] for b in bs]
+  reduce, gather = plan.buckets(cfg, layout, params, params,
+                                order=(2, 0, 3, 1), platform="gpu")
+  assert leaves(reduce) == [[1, 3], [0, 2]]
+  assert leaves(gather) == [[2, 0], [3, 1]]
+
+
 def test_after_jits_reduce_across_hosts_the_gathers_are_256_mib():
   """After jit's reduce across GPU hosts every gather waits for XLA's
   combined reduce-scatters, so its buckets hold up to 256 MiB (or

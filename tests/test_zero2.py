@@ -100,6 +100,40 @@ def test_bitwise_zero1_when_reduced_gradients_are_equal(n, accum, dtype):
   np.testing.assert_array_equal(two[0]["step_id"], params["step_id"])
 
 
+def test_bitwise_zero1_all_reduced_and_with_two_scalars():
+  """``reduce="all_reduce"`` (DeepSpeed's ``reduce_scatter: false``): each
+  device keeps its own shard of the all-reduced sums, as stage 1 does; and
+  a second scalar leaf, whose gradient differs from the first's, gets its
+  own sum back (scalars are reduced together)."""
+  params = dict(odd_params(), temp=jnp.asarray(0.5, jnp.float32))
+  bs = exact_batches(3, size=32)
+  for kw in (dict(reduce="all_reduce"), {}):
+    one = run(z1.zero1, params, bs, 4, 1, exact_loss, **kw)
+    two = run(z1.zero2, params, bs, 4, 1, exact_loss, **kw)
+    assert_same_run(two, one, f"{kw} ")
+  moved = lambda k, start: float(one[0][k]) - start
+  assert moved("temp", 0.5) != moved("gain", 1.25)   # two different sums
+
+
+def test_reduce_dtype_is_stage_1s():
+  """A reduce dtype narrower than the params' (bf16 sums of fp32 gradients):
+  stage 2 reduces in it as stage 1 does. Random data, so the bf16 sums
+  round (a step moves a weight by ~lr, the bf16 rounding of its gradient
+  moves it by ~lr x 2^-9 = 2e-5, twenty times FP32_REORDER); stage 1 and
+  stage 2 sum the same terms in the same order per element."""
+  params, n = odd_params(), 4
+  bs = [batch(32, seed=i) for i in range(2)]
+  narrow = dict(reduce_dtype=jnp.bfloat16)
+  p1 = run(z1.zero1, params, bs, n, 1, loss_fn, **narrow)[0]
+  p2 = run(z1.zero2, params, bs, n, 1, loss_fn, **narrow)[0]
+  wide = run(z1.zero2, params, bs, n, 1, loss_fn)[0]
+  assert_close(float_part(p2), float_part(p1), FP32_REORDER, "bf16 sums ")
+  moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(float_part(p2)),
+                              jax.tree.leaves(float_part(wide))))
+  assert moved > 10 * FP32_REORDER, moved
+
+
 def test_within_1e6_of_zero1_with_random_data_and_accumulation():
   params, n = odd_params(), 8
   bs = [batch(32, seed=i) for i in range(5)]
