@@ -187,3 +187,59 @@ def test_a_weighted_mean_over_the_batch_as_the_docs_write_it():
   np.testing.assert_allclose(np.asarray(g["w"]), g_want["w"], rtol=FP32_REORDER,
                              atol=FP32_REORDER * float(np.abs(g_want["w"]).max()))
   assert abs(float(off) - float(want)) > 1e-3 * abs(float(want))
+
+
+def test_a_batch_left_out_of_batch_argnums_is_named():
+  """``f(params, x, y)`` with the default ``batch_argnums=(1,)``: ``y``
+  placed split over the data axis is refused before anything runs; ``y``
+  unplaced fails in the loss (x split, y whole), and the error says which
+  argument has the batch's rows and the batch_argnums that take it."""
+  m = mesh(N)
+  tx = z1.zero1(optax.sgd(0.1), axis_name="data")
+  loss = lambda q, x, y: jnp.mean((x @ q["w"] - y) ** 2)
+  with jax.set_mesh(m):
+    p = jax.device_put({"w": jnp.ones((4,))}, NamedSharding(m, P()))
+    x, y = jax.device_put((np.ones((ROWS, 4), np.float32), np.zeros(ROWS, np.float32)),
+                          NamedSharding(m, P("data")))
+    f = jax.jit(z1.value_and_grad(loss, tx))
+    with pytest.raises(ValueError, match=r"argument 2 is split over the data "
+                       r"axis.*batch_argnums=\(1, 2\)"):
+      f(p, x, y)
+    with pytest.raises(TypeError) as e:
+      f(p, x, np.zeros(ROWS, np.float32))
+    assert any("batch_argnums=(1, 2)" in note for note in e.value.__notes__)
+    got, _ = jax.jit(z1.value_and_grad(loss, tx, batch_argnums=(1, 2)))(p, x, y)
+  np.testing.assert_allclose(got, jnp.mean((x @ p["w"] - y) ** 2), rtol=FP32_REORDER)
+
+
+def test_params_computed_from_the_sharded_gradients_are_refused_with_the_fix():
+  """A wrapper's step built from z1.value_and_grad's gradients (sharded over
+  the data axis), as optax.contrib.sam's adversarial step is: the params
+  come out so sharded, and the refusal says how to bring them back."""
+  m = mesh(N)
+  tx = z1.zero1(optax.sgd(0.1), axis_name="data")
+  loss = lambda q, x: jnp.mean((x @ q["w"]) ** 2)
+  with jax.set_mesh(m):
+    p = jax.device_put({"w": jnp.ones((16,))}, NamedSharding(m, P()))
+    x = jax.device_put(np.ones((ROWS, 16), np.float32), NamedSharding(m, P("data")))
+    state = tx.init(p)
+
+    @jax.jit
+    def step(p, s, x):
+      _, g = z1.value_and_grad(loss, tx)(p, x)
+      p = jax.tree.map(lambda w, d: w + 0.01 * d, p, g)   # moved by the grads
+      return tx.update(g, s, p)
+
+    with pytest.raises(ValueError, match=r"reshard\(p, P\(\)\)"):
+      step(p, state, x)
+
+    @jax.jit
+    def fixed(p, s, x):
+      _, g = z1.value_and_grad(loss, tx)(p, x)
+      p = jax.tree.map(lambda w, d: w + 0.01 * d, p, g)
+      p = jax.sharding.reshard(p, P())   # the fix the refusal names
+      return optax.apply_updates(p, tx.update(g, s, p)[0])
+
+    g = 2 * 16.0   # d/dw_j of mean((x @ w)^2) at w = 1, x = 1: 2 * (x @ w) * x_j
+    want = p["w"] + 0.01 * g - 0.1 * g   # the wrapper's move, then sgd(0.1)
+    np.testing.assert_allclose(fixed(p, state, x)["w"], want, rtol=FP32_REORDER)

@@ -107,7 +107,7 @@ def _axes(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _data_spec(sharding, axis: str):
+def data_spec(sharding, axis: str):
   """``sharding``'s spec if it splits a dim over ``axis``, else None."""
   spec = getattr(sharding, "spec", None)
   if spec is None:
@@ -140,7 +140,7 @@ def check_closed_over(fun: Callable, args: tuple, axis: str, n: int,
   if any(is_key(x) for x in consts):
     warnings.warn(KEY_CLOSED_OVER, UserWarning, stacklevel=4)
   for x in consts:
-    data = (math.prod(np.shape(x)) >= n and np.ndim(x) > 0 and _data_spec(
+    data = (math.prod(np.shape(x)) >= n and np.ndim(x) > 0 and data_spec(
         getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer)
         else getattr(jax.typeof(x), "sharding", None), axis))
     if not data and explicit_consts.traced_on_explicit(x):
@@ -153,14 +153,14 @@ def check_closed_over(fun: Callable, args: tuple, axis: str, n: int,
     if np.ndim(x) == 0 or math.prod(np.shape(x)) < n:
       continue
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      spec = _data_spec(x.sharding, axis)
+      spec = data_spec(x.sharding, axis)
       if spec is not None:
         say(x, spec)
       continue
     if not isinstance(x, jax.core.Tracer):
       continue
     sharding = getattr(jax.typeof(x), "sharding", None)
-    typed = _data_spec(sharding, axis)
+    typed = data_spec(sharding, axis)
     if typed is not None:   # Explicit: shard_map cannot close over it at all
       raise ValueError(CLOSED_OVER.format(
           shape=tuple(np.shape(x)), axis=axis, spec=typed, argnums=argnums,
@@ -171,8 +171,8 @@ def check_closed_over(fun: Callable, args: tuple, axis: str, n: int,
       continue   # its type is its placement: not over the axis
     # Auto axes: the placement jit chose, read when the step compiles.
     jax.debug.inspect_array_sharding(
-        x, callback=lambda s, x=x: (_data_spec(s, axis) is not None
-                                    and say(x, _data_spec(s, axis))))
+        x, callback=lambda s, x=x: (data_spec(s, axis) is not None
+                                    and say(x, data_spec(s, axis))))
   return to_move
 
 

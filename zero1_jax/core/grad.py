@@ -143,7 +143,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     n = where.shape[axis]
     if pax.resolve(params, dict(where.shape), axis, cfg.param_specs) is not None:
       raise ValueError(jm.SHARDED_2D)
-    _check_batch(args, argnums)
+    _check_batch(args, argnums, axis)
     layout = lay.plan(params, n)
     fun = fun_given
     if closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
@@ -209,11 +209,17 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     g_specs = layout.treedef.unflatten(
         [None if s.kind == lay.STATIC else zspecs.leaf_spec(s, axis)
          for s in layout.leaves])
-    loss, aux, grads = empty_leaves.shard_map(
-        per_device, mesh=mesh, in_specs=in_specs,
-        out_specs=(P(), P() if rows is None else aux_.out_specs(rows, axis),
-                   g_specs), axis_names={axis},
-        check_vma=False)(params, *args)
+    try:
+      loss, aux, grads = empty_leaves.shard_map(
+          per_device, mesh=mesh, in_specs=in_specs,
+          out_specs=(P(), P() if rows is None else aux_.out_specs(rows, axis),
+                     g_specs), axis_names={axis},
+          check_vma=False)(params, *args)
+    except (TypeError, ValueError) as e:
+      hint = _batch_hint(args, argnums)
+      if hint:
+        e.add_note(hint)
+      raise
     value = (loss, aux) if has_aux else loss
     # tx.update gathers the new weights in the groups the backward reduced
     # (core/plan.py backward_buckets); CPU keeps its packed plan.
@@ -254,10 +260,22 @@ def _device_keys(args: tuple, argnums: tuple, axis: str) -> tuple:
                for i, a in enumerate(args))
 
 
-def _check_batch(args: tuple, argnums: tuple) -> None:
-  """Every array of the batch arguments has a leading dim to split."""
+def _check_batch(args: tuple, argnums: tuple, axis: str) -> None:
+  """Every array of the batch arguments has a leading dim to split, and no
+  other argument is placed split over ``axis`` (a batch left out of
+  ``batch_argnums``)."""
   for i, a in enumerate(args):
     if i + 1 not in argnums:
+      for x in jax.tree.leaves(a):
+        where = (jax.typeof(x) if isinstance(x, jax.core.Tracer)
+                 else x if isinstance(x, jax.Array) else None)
+        if closed_over.data_spec(getattr(where, "sharding", None), axis):
+          raise ValueError(
+              f"zero1: z1.value_and_grad: argument {i + 1} is split over the "
+              f"data axis '{axis}' like the batch, but batch_argnums={argnums} "
+              f"leaves it out, so every device would get it whole. If it is "
+              f"part of the batch, pass batch_argnums="
+              f"{tuple(sorted(set(argnums) | {i + 1}))}.")
       continue
     for path, x in jax.tree_util.tree_leaves_with_path(a):
       if x is not None and jnp.ndim(x) == 0:
@@ -269,6 +287,24 @@ def _check_batch(args: tuple, argnums: tuple) -> None:
             f"outside batch_argnums, which every device gets whole: "
             f"z1.value_and_grad(lambda params, batch, scale: ..., tx)"
             f"(params, batch, scale).")
+
+
+def _batch_hint(args: tuple, argnums: tuple) -> str | None:
+  """For an error raised running ``fun`` per device: the arguments outside
+  ``batch_argnums`` whose leading dim is the batch's (rows every device gets
+  whole while the batch is split), if any."""
+  rows = {jnp.shape(x)[0] for i, a in enumerate(args) if i + 1 in argnums
+          for x in jax.tree.leaves(a) if jnp.ndim(x)}
+  whole = [i + 1 for i, a in enumerate(args) if i + 1 not in argnums
+           and any(jnp.ndim(x) and jnp.shape(x)[0] in rows
+                   for x in jax.tree.leaves(a))]
+  if not whole:
+    return None
+  return (f"zero1: z1.value_and_grad splits the arguments at batch_argnums="
+          f"{argnums} over the data axis; argument(s) {tuple(whole)} have the "
+          f"batch's leading dim but reach every device whole. If they are part "
+          f"of the batch, pass batch_argnums="
+          f"{tuple(sorted(set(argnums) | set(whole)))}.")
 
 
 def _pieces(args: tuple, argnums: tuple, n: int) -> tuple:

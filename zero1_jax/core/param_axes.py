@@ -189,7 +189,11 @@ FSDP_REFUSED = (
     "already follows their sharding, 1/N per device (and the weights are "
     "1/N too): keep the plain optax optimizer for FSDP. For zero1, place "
     "the params replicated over '{axis}' (other axes are kept), e.g. "
-    "without the FSDP annotations.")
+    "without the FSDP annotations. Params computed from z1.value_and_grad's "
+    "gradients, which are sharded over '{axis}' (a wrapper's step such as "
+    "optax.contrib.sam's, or params - lr * grads), come out so sharded: "
+    "bring them back whole with jax.sharding.reshard(p, P()) "
+    "(jax.lax.with_sharding_constraint on Auto axes).")
 
 
 def resolve(params: Any, sizes: Mapping[str, int], data_axis: str,

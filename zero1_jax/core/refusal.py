@@ -24,8 +24,9 @@ REFUSAL = (
     "an elementwise one (adam, adamw, lion, sgd, rmsprop, adagrad, ...); for "
     "gradient clipping pass zero1(..., max_grad_norm=...) instead of "
     "optax.clip_by_global_norm; to skip steps whose gradients hold inf/nan "
-    "(optax.apply_if_finite, zero_nans) pass "
-    "zero1(..., loss_scale=z1.NoLossScale(skip_nonfinite=True)). If you "
+    "(as optax.apply_if_finite does) pass "
+    "zero1(..., loss_scale=z1.NoLossScale(skip_nonfinite=True)) (that skips "
+    "the step, where optax.zero_nans zeroes the entries and still steps). If you "
     "know it to be elementwise (every number it computes for an element "
     "depends on that element alone), zero1(..., check_elementwise=False) "
     "skips this check.")
