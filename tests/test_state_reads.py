@@ -203,3 +203,30 @@ def test_nnx_optimizer_reads_and_sets_the_learning_rate():
       return np.asarray(model.l.kernel[...]) - before
   slow, fast = kernel_step(None), kernel_step(jnp.asarray(0.5))
   np.testing.assert_allclose(fast, 50 * slow, rtol=1e-5, atol=1e-7)
+
+
+def test_a_state_leaf_replaced_at_the_params_shape_is_named_with_the_fix():
+  """``optax.tree_utils.tree_set(state, mu=zeros_like(params))``: zero1's
+  moments are padded to a multiple of N, so a param-shaped one cannot be
+  its; the error names the leaf and the replacement that works (built from
+  the state's own leaf), which then steps as Adam from zero moments."""
+  m = mesh(8)
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data")
+
+  @jax.jit
+  def step(p, s):
+    g = jax.grad(lambda q: jnp.sum(q["b"] ** 2))(p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  with jax.set_mesh(m):
+    p = jax.device_put({"b": jnp.ones((7,))}, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec()))
+    p, s = step(p, tx.init(p))
+    bad = optax.tree_utils.tree_set(s, mu=jax.tree.map(jnp.zeros_like, p))
+    with pytest.raises(ValueError, match=r"opt_state\.inner\[0\]\.mu\['b'\] has "
+                       r"shape \(7,\).*tree_get\(state, 'mu'\)"):
+      step(p, bad)
+    good = optax.tree_utils.tree_set(
+        s, mu=jax.tree.map(jnp.zeros_like, optax.tree_utils.tree_get(s, "mu")))
+    p2, _ = step(p, good)
+  np.testing.assert_array_less(np.asarray(p2["b"]), np.asarray(p["b"]))

@@ -243,3 +243,4 @@ def test_params_computed_from_the_sharded_gradients_are_refused_with_the_fix():
     g = 2 * 16.0   # d/dw_j of mean((x @ w)^2) at w = 1, x = 1: 2 * (x @ w) * x_j
     want = p["w"] + 0.01 * g - 0.1 * g   # the wrapper's move, then sgd(0.1)
     np.testing.assert_allclose(fixed(p, state, x)["w"], want, rtol=FP32_REORDER)
+

@@ -65,6 +65,24 @@ def per_device_shape(shape, spec: P, sizes: Mapping[str, int]) -> tuple:
   return tuple(dims)
 
 
+NOT_ZERO1S = (
+    "zero1: opt_state{path} has shape {shape}, which its placement {spec} "
+    "cannot split evenly: zero1 holds each parameter-shaped state leaf padded "
+    "to a multiple of the data axis and split over it, so this one was "
+    "replaced from outside (e.g. optax.tree_utils.tree_set(state, "
+    "mu=jax.tree.map(jnp.zeros_like, params))). Build the replacement from "
+    "the state's own leaves (tree_set(state, mu=jax.tree.map(jnp.zeros_like, "
+    "tree_get(state, 'mu')))), or convert a whole optax state with "
+    "z1.from_optax_state.")
+
+
+def divides(shape, spec: P, sizes: Mapping[str, int]) -> bool:
+  """Whether ``spec`` splits every dim of ``shape`` it shards evenly."""
+  parts = tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
+  return all(int(n) % math.prod(int(sizes[a]) for a in _axes(e)) == 0
+             for n, e in zip(shape, parts))
+
+
 def per_device_bytes(shape, dtype, spec: P, sizes: Mapping[str, int]) -> int:
   """Bytes one device holds of an array of ``shape`` placed as ``spec``."""
   return math.prod(per_device_shape(shape, spec, sizes)) * jnp.dtype(dtype).itemsize
@@ -208,6 +226,9 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
   out = list(leaves)
   for i in idx:
     x, spec = leaves[i], spec_leaves[i]
+    if not divides(np.shape(x), spec, sizes):
+      raise ValueError(NOT_ZERO1S.format(path=paths[i], shape=np.shape(x),
+                                         spec=spec))
     if not isinstance(x, (jax.Array, jax.core.Tracer)):   # host arrays
       if _data_explicit(data_axis):   # placed as planned (Auto: by jit)
         out[i] = jax.sharding.reshard(jnp.asarray(x), spec)
