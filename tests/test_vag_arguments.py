@@ -244,3 +244,33 @@ def test_params_computed_from_the_sharded_gradients_are_refused_with_the_fix():
     want = p["w"] + 0.01 * g - 0.1 * g   # the wrapper's move, then sgd(0.1)
     np.testing.assert_allclose(fixed(p, state, x)["w"], want, rtol=FP32_REORDER)
 
+
+
+def test_flax_dropout_runs_on_an_explicit_mesh():
+  """flax's ``nn.Dropout`` types its mask whole while its input is split on
+  an Explicit data axis, so jax.value_and_grad's trace refuses the select;
+  z1.value_and_grad runs the loss per device (and traces it for its checks
+  without the batch's placement): the same loss as on an Auto mesh."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(nn.Dropout(0.5, deterministic=False)(nn.Dense(8)(x)))
+
+  model = Net()
+  loss = lambda p, x, rng: jnp.mean(
+      model.apply({"params": p}, x, rngs={"dropout": rng}) ** 2)
+  params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+  x = np.random.default_rng(0).normal(size=(ROWS, 4)).astype(np.float32)
+  losses = []
+  for m in (mesh(N), _auto()):
+    tx = z1.zero1(optax.sgd(0.1), axis_name="data")
+    with jax.set_mesh(m):
+      xs = jax.device_put(x, NamedSharding(m, P("data")))
+      if m.axis_types[0] == AxisType.Explicit:
+        with pytest.raises(Exception, match="select"):
+          jax.jit(jax.value_and_grad(loss))(params, xs, jax.random.key(1))
+      value, _ = jax.jit(z1.value_and_grad(loss, tx))(params, xs, jax.random.key(1))
+    losses.append(float(value))
+  np.testing.assert_allclose(losses[0], losses[1], rtol=FP32_REORDER)

@@ -146,18 +146,23 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     _check_batch(args, argnums, axis)
     layout = lay.plan(params, n)
     fun = fun_given
+    # The whole batch's shapes, no placement: traced for what fun closes
+    # over, its aux and its read order, fun runs as jax.value_and_grad would
+    # run it, minus the batch's sharding types, which code written for one
+    # device (flax's Dropout: a mask typed whole, its input split) refuses.
+    shapes = _abstract(args)
     if closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
-                                     (params,) + args, axis, n, argnums):
+                                     (params,) + shapes, axis, n, argnums):
       # arrays on an Explicit mesh it closes over, which shard_map refuses:
       # moved off the mesh where the closure reaches them
       fun = explicit_consts.movable(fun)
       closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
-                                    (params,) + args, axis, n, argnums,
+                                    (params,) + shapes, axis, n, argnums,
                                     movable=False)
     platform = platforms.resolve(where)
     plain = lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux)
     rows = (aux_.per_example(lambda p, *a: fun(p, *rebuild(a))[1],
-                             (params,) + args,
+                             (params,) + shapes,
                              (params,) + _pieces(args, argnums, n), n, aux_reduce)
             if has_aux else None)
     lookups = _lookups(shard_lookups, platform, where, layout, plain, params,
@@ -167,7 +172,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     # each group after the one before (XLA otherwise queues them at the
     # backward's end).
     gpu_like = platform != "cpu"
-    order = ordering.first_reads(plain, params, *args,
+    order = ordering.first_reads(plain, params, *shapes,
                                  lookups=lookups) if gpu_like else None
     # GPUs on several hosts: the hooks' leaves packed, their chain kept
     # whole (zero2.reduced_grad_fn; measured on GPUs only).
@@ -305,6 +310,15 @@ def _batch_hint(args: tuple, argnums: tuple) -> str | None:
           f"batch's leading dim but reach every device whole. If they are part "
           f"of the batch, pass batch_argnums="
           f"{tuple(sorted(set(argnums) | set(whole)))}.")
+
+
+def _abstract(args: tuple) -> tuple:
+  """``args`` as shapes and dtypes (weak types kept), without placement."""
+  def one(x):
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                                weak_type=getattr(aval, "weak_type", False))
+  return tuple(jax.tree.map(one, a) for a in args)
 
 
 def _pieces(args: tuple, argnums: tuple, n: int) -> tuple:
