@@ -62,10 +62,16 @@ def _expected(key):
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey],
                          ids=["typed", "raw"])
 def test_each_device_folds_its_index_into_a_key_argument(make_key):
+  """A raw key is told from data by its dtype and shape alone (uint32[2]),
+  so zero1 says it reads it as one; a typed key needs no word."""
   key = make_key(3)
-  got = _masks(key)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    got = _masks(key)
   np.testing.assert_array_equal(got, _expected(key))
   assert any((got[d] != got[0]).any() for d in range(1, N))
+  said = [w for w in seen if "read as a raw PRNG key" in str(w.message)]
+  assert len(said) == (make_key is jax.random.PRNGKey)
 
 
 def test_device_keys_false_hands_every_device_the_key_as_given():

@@ -60,6 +60,7 @@ from zero1_jax.core import explicit_consts
 from zero1_jax.core import collectives as col
 from zero1_jax.core import lookup
 from zero1_jax.core import sharded_grads
+from zero1_jax.core import vag_args
 from zero1_jax.core.tx_config import Zero1Transformation
 
 NOT_ZERO1 = ("z1.value_and_grad(fun, tx): tx must be the transformation "
@@ -94,7 +95,8 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
       raw ``uint32[2]`` one from ``jax.random.PRNGKey``) reaches ``fun`` with
       the device's index along the data axis folded in
       (``jax.random.fold_in(key, jax.lax.axis_index(axis))``, as flax's pmap
-      examples fold it into their dropout key), so the devices draw
+      examples fold it into their dropout key; a raw one is told by its
+      dtype and shape alone, and a warning says so), so the devices draw
       different dropout masks and noise for their rows; ``jax.value_and_grad``
       draws one for the whole batch, so the draws differ from its, not their
       distribution. False: every device gets the key as given and draws the
@@ -143,14 +145,16 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     n = where.shape[axis]
     if pax.resolve(params, dict(where.shape), axis, cfg.param_specs) is not None:
       raise ValueError(jm.SHARDED_2D)
-    _check_batch(args, argnums, axis)
+    vag_args.check_batch(args, argnums, axis)
+    if device_keys:
+      vag_args.say_raw_keys(args, argnums)
     layout = lay.plan(params, n)
     fun = fun_given
     # The whole batch's shapes, no placement: traced for what fun closes
     # over, its aux and its read order, fun runs as jax.value_and_grad would
     # run it, minus the batch's sharding types, which code written for one
     # device (flax's Dropout: a mask typed whole, its input split) refuses.
-    shapes = _abstract(args)
+    shapes = vag_args.abstract(args)
     if closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
                                      (params,) + shapes, axis, n, argnums):
       # arrays on an Explicit mesh it closes over, which shard_map refuses:
@@ -180,7 +184,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
 
     def per_device(p, *a):
       if device_keys:
-        a = _device_keys(a, argnums, axis)
+        a = vag_args.device_keys(a, argnums, axis)
       # The lookups read the whole table; their blocks stand only for the
       # gradient, so zeros of a block's shape (no slice of the table that XLA
       # could merge with tx.update's and keep live from the first lookup to
@@ -221,7 +225,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                      g_specs), axis_names={axis},
           check_vma=False)(params, *args)
     except (TypeError, ValueError) as e:
-      hint = _batch_hint(args, argnums)
+      hint = vag_args.batch_hint(args, argnums)
       if hint:
         e.add_note(hint)
       raise
@@ -254,71 +258,6 @@ def _lookups(shard_lookups: bool | str, platform: str, where: Any,
     return frozenset()
   return lookup.find(plain, params, *_pieces(args, argnums, n),
                      candidates=candidates)
-
-
-def _device_keys(args: tuple, argnums: tuple, axis: str) -> tuple:
-  """``args`` (one device's, in the shard_map) with the device's index along
-  ``axis`` folded into each PRNG key outside the batch arguments."""
-  fold = lambda x: (jax.random.fold_in(x, jax.lax.axis_index(axis))
-                    if closed_over.is_key(x) else x)
-  return tuple(a if i + 1 in argnums else jax.tree.map(fold, a)
-               for i, a in enumerate(args))
-
-
-def _check_batch(args: tuple, argnums: tuple, axis: str) -> None:
-  """Every array of the batch arguments has a leading dim to split, and no
-  other argument is placed split over ``axis`` (a batch left out of
-  ``batch_argnums``)."""
-  for i, a in enumerate(args):
-    if i + 1 not in argnums:
-      for x in jax.tree.leaves(a):
-        where = (jax.typeof(x) if isinstance(x, jax.core.Tracer)
-                 else x if isinstance(x, jax.Array) else None)
-        if closed_over.data_spec(getattr(where, "sharding", None), axis):
-          raise ValueError(
-              f"zero1: z1.value_and_grad: argument {i + 1} is split over the "
-              f"data axis '{axis}' like the batch, but batch_argnums={argnums} "
-              f"leaves it out, so every device would get it whole. If it is "
-              f"part of the batch, pass batch_argnums="
-              f"{tuple(sorted(set(argnums) | {i + 1}))}.")
-      continue
-    for path, x in jax.tree_util.tree_leaves_with_path(a):
-      if x is not None and jnp.ndim(x) == 0:
-        raise ValueError(
-            f"zero1: z1.value_and_grad: argument {i + 1}"
-            f"{jax.tree_util.keystr(path)} is a scalar in the batch "
-            f"(batch_argnums={argnums}), whose arrays are split over the data "
-            f"axis on their leading dim. Pass it in an argument of its own "
-            f"outside batch_argnums, which every device gets whole: "
-            f"z1.value_and_grad(lambda params, batch, scale: ..., tx)"
-            f"(params, batch, scale).")
-
-
-def _batch_hint(args: tuple, argnums: tuple) -> str | None:
-  """For an error raised running ``fun`` per device: the arguments outside
-  ``batch_argnums`` whose leading dim is the batch's (rows every device gets
-  whole while the batch is split), if any."""
-  rows = {jnp.shape(x)[0] for i, a in enumerate(args) if i + 1 in argnums
-          for x in jax.tree.leaves(a) if jnp.ndim(x)}
-  whole = [i + 1 for i, a in enumerate(args) if i + 1 not in argnums
-           and any(jnp.ndim(x) and jnp.shape(x)[0] in rows
-                   for x in jax.tree.leaves(a))]
-  if not whole:
-    return None
-  return (f"zero1: z1.value_and_grad splits the arguments at batch_argnums="
-          f"{argnums} over the data axis; argument(s) {tuple(whole)} have the "
-          f"batch's leading dim but reach every device whole. If they are part "
-          f"of the batch, pass batch_argnums="
-          f"{tuple(sorted(set(argnums) | set(whole)))}.")
-
-
-def _abstract(args: tuple) -> tuple:
-  """``args`` as shapes and dtypes (weak types kept), without placement."""
-  def one(x):
-    aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
-                                weak_type=getattr(aval, "weak_type", False))
-  return tuple(jax.tree.map(one, a) for a in args)
 
 
 def _pieces(args: tuple, argnums: tuple, n: int) -> tuple:
