@@ -7,7 +7,8 @@
 # against the HBM roofline. About 5 minutes on one H200 (measured: bench
 # 162 s, the checks and overlap together 103 s); writes
 # gpu_check.log, bench.json, tables.md, plots and overlap.txt (7 files) to
-# $OUT (the device tool's output folder) or experiments/results/gpu.
+# $OUT (the device tool's output folder) or experiments/results/gpu (a dry
+# run without $OUT: a new temporary folder).
 #
 #   bash experiments/gpu/check.sh                 # on a machine with a GPU
 #   HBM_TB_S=3.35 bash experiments/gpu/check.sh   # H100 SXM roofline
@@ -24,7 +25,13 @@ set -uo pipefail
 FAILED=0
 cd "$(dirname "$0")/../.."
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python; elif command -v python3 >/dev/null; then PY=python3; else PY=python; fi
-OUT_DIR="${OUT:-experiments/results/gpu}"
+if [ -z "${OUT:-}" ] && [ "${GPU_CHECK_DRY:-0}" = "1" ]; then
+  # a dry run never writes over the committed results
+  OUT_DIR="$(mktemp -d -t gpu_check_dry.XXXXXX)"
+  echo "gpu_check (dry run): writing to $OUT_DIR"
+else
+  OUT_DIR="${OUT:-experiments/results/gpu}"
+fi
 mkdir -p "$OUT_DIR"
 HBM_TB_S="${HBM_TB_S:-4.8}"   # H200 SXM: 4.8 TB/s
 
