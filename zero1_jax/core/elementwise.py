@@ -23,6 +23,8 @@ and both must pass (:func:`check_elementwise`):
 Between them, :func:`.size_check.size_reason` refuses an optimizer that
 decides by a leaf's size or shape (factored moments, a mask by size): on a
 shard it would run another, still elementwise, computation.
+:func:`.dtype_check.dtype_reason` refuses one that decides by a leaf's dtype:
+on a bf16 param's fp32 master it would decide otherwise.
 
 :func:`.state_dims.state_shard_dims` tells which state leaves are sharded
 (and refuses state not shaped like the parameter shards: adafactor's
@@ -47,6 +49,7 @@ import jax.numpy as jnp
 import optax
 
 from zero1_jax.core import blame
+from zero1_jax.core import dtype_check
 from zero1_jax.core import extra_args as xa
 from zero1_jax.core import jaxpr_check as jc
 from zero1_jax.core import layout as lay
@@ -201,7 +204,8 @@ def located(e: Refused, inner: optax.GradientTransformation,
 
 def _stages(layout: lay.Layout, dtype: Any, extra: dict | None = None) -> list:
   """The checks in order, each ``inner -> why or None``: the jaxpr, the
-  same program on whole leaves and shards, the numeric probe."""
+  same program on whole leaves and shards, on params in their own dtypes
+  and on their masters, the numeric probe."""
   def size(inner):
     try:
       owners = state_shard_dims(inner, layout, dtype)[3]
@@ -209,4 +213,5 @@ def _stages(layout: lay.Layout, dtype: Any, extra: dict | None = None) -> list:
       return e.why
     return size_reason(inner, layout, dtype, owners, extra)
   return [lambda inner: jaxpr_reason(inner, layout, dtype, extra), size,
+          lambda inner: dtype_check.dtype_reason(inner, layout, dtype, extra),
           lambda inner: probe_reason(inner, layout, dtype, extra=extra)]

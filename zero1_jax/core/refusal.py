@@ -2,7 +2,8 @@
 
 :data:`REFUSAL` when it is not elementwise (the checks of
 :mod:`.elementwise` say which operation, :mod:`.blame` which
-transformation), :data:`CANNOT_RUN` when its API does not fit the call zero1
+transformation), :data:`DTYPE` when it decides by a parameter's dtype,
+:data:`CANNOT_RUN` when its API does not fit the call zero1
 makes on the shards, :data:`NESTED` when it is a wrapper zero1 goes inside
 of (``optax.lookahead``, ``optax.contrib.sam``: the message gives that
 form); :class:`Refused` raises any of them.
@@ -50,6 +51,20 @@ _API_REASONS = ("its init fails on", "its state structure depends",
                 "its update fails on the probe")
 
 
+# Reasons that are a decision by dtype (:mod:`.dtype_check`): elementwise,
+# but another computation on a bf16 param's fp32 master.
+DTYPE = (
+    "zero1: the inner optimizer decides by dtype ({why}). zero1 runs it on "
+    "each bfloat16 or float16 parameter's float32 master (as DeepSpeed's "
+    "bf16 optimizer does), where that decision would silently come out "
+    "otherwise than on the params. Decide by path or name (a mask or labels "
+    "from jax.tree_util.tree_map_with_path), or keep those params in "
+    "float32; zero1(..., check_elementwise=False) skips this check.")
+_DTYPE_REASONS = ("its update runs other operations on params in their own",
+                  "its init runs other operations on params in their own",
+                  "its state has another structure for params in their own")
+
+
 # Wrappers zero1 goes inside of: they call their optimizer on whole
 # gradients, and what they do around it does not fit zero1's call. Their
 # name (blame.name) -> (why not around, the form to use).
@@ -80,8 +95,9 @@ NESTED = ("zero1: {name} cannot run inside zero1 ({shown}): {reason}. Put "
 
 def refusal(why: str, where: str = "") -> str:
   """The refusal message for ``why``: :data:`NESTED` when ``where`` is a
-  wrapper of :data:`NEST_INSIDE`, :data:`CANNOT_RUN` when the optimizer's
-  API does not fit zero1's call, else :data:`REFUSAL` (not elementwise);
+  wrapper of :data:`NEST_INSIDE`, :data:`DTYPE` when it decides by dtype,
+  :data:`CANNOT_RUN` when the optimizer's API does not fit zero1's call,
+  else :data:`REFUSAL` (not elementwise);
   ``where`` (:func:`.blame.locate`: the refused transformation and its
   place) leads the parenthesis."""
   shown = f"{where}: {why}" if where else why
@@ -89,6 +105,8 @@ def refusal(why: str, where: str = "") -> str:
   if name:
     reason, fix = NEST_INSIDE[name]
     return NESTED.format(name=name, shown=shown, reason=reason, fix=fix)
+  if why.startswith(_DTYPE_REASONS):
+    return DTYPE.format(why=shown)
   if not why.startswith(_API_REASONS):
     return REFUSAL.format(why=shown)
   extra = ""

@@ -18,7 +18,7 @@ that it is another computation.
 compile, no memory) on the real whole parameters and on their real shards.
 The state must have the same structure, each state leaf shaped like a
 parameter shard must be shaped like the whole parameter there, and each of
-init and update must be one program on both (:func:`_compare`): the same
+init and update must be one program on both (:func:`compare`): the same
 operations in the same order on the same operands, equal literals, constants
 and scalar parameters, and every shape the same or a parameter's whole shape
 where the shard has its shard shape. Under tracing every Python decision by
@@ -43,6 +43,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -65,7 +66,7 @@ def _inputs(layout: lay.Layout, dtype: Any, whole: bool) -> Any:
 _SCALARS = (bool, int, float, complex, str, np.dtype, np.generic)
 
 
-class _Differ(Exception):
+class Differ(Exception):
   """Where the two programs part: each side's equation, in words."""
 
   def __init__(self, a: str, b: str):
@@ -98,12 +99,24 @@ def _subs(v) -> list:
           if hasattr(getattr(j, "jaxpr", j), "eqns")]
 
 
-def _same_value(x, y, pairs: set) -> bool:
+def _same_value(x, y, pairs: set, dtypes: dict | None = None) -> bool:
   """Two constants alike: equal (dtype too), or of a parameter's whole and
-  shard shapes and each one value throughout (``zeros_like``), the same."""
+  shard shapes and each one value throughout (``zeros_like``), the same.
+  ``dtypes``: see :func:`compare`; ``x`` in a parameter's own dtype is
+  alike ``y`` in its master's if it is ``y`` rounded, or the same property
+  of its dtype (``finfo(dtype).eps``)."""
   x, y = np.asarray(x), np.asarray(y)
   if x.dtype != y.dtype:
-    return False
+    if not dtypes or dtypes.get(x.dtype) != y.dtype:
+      return False
+    if x.shape != y.shape:
+      return False
+    fx, fy = jnp.finfo(x.dtype), jnp.finfo(y.dtype)
+    with np.errstate(over="ignore"):   # fp32's max is bf16's inf: finfo's
+      rounded = y.astype(x.dtype)
+    return bool(np.array_equal(x, rounded, equal_nan=True)) or any(
+        x.size == 1 and x.item() == getattr(fx, k) and y.item() == getattr(fy, k)
+        for k in ("eps", "tiny", "max", "min", "smallest_normal", "resolution"))
   if x.shape == y.shape:
     return bool(np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"))
   if (x.shape, y.shape) not in pairs or not x.size or not y.size:
@@ -112,22 +125,30 @@ def _same_value(x, y, pairs: set) -> bool:
       np.all(x == x.ravel()[0]) and np.all(y == y.ravel()[0]))
 
 
-def _compare(a, b, pairs: set, names: dict | None = None) -> None:
-  """Raises :class:`_Differ` unless the closed jaxprs ``a`` (traced on the
+def compare(a, b, pairs: set, names: dict | None = None,
+             dtypes: dict | None = None) -> None:
+  """Raises :class:`Differ` unless the closed jaxprs ``a`` (traced on the
   whole parameters) and ``b`` (on their shards) are one program: the same
   equations in the same order on the same operands (values numbered as they
   are defined), equal literals, constants and scalar parameters, alike
   sub-programs, and every value of the same dtype and rank, its shape the
   same in both or, in ``a``, a parameter's whole shape where ``b`` has that
   parameter's shard shape (``pairs``). ``names``: input number -> what to
-  call it in the message (``grads['w']``)."""
+  call it in the message (``grads['w']``). ``dtypes``: a dtype of ``a``
+  -> the one ``b`` has in its place (``a`` traced on parameters in their
+  own dtypes, ``b`` on their masters: bfloat16 -> float32); a conversion
+  between such a pair is no operation, and a literal in it is ``b``'s
+  rounded (:func:`_same_value`)."""
   ja, ca = (a.jaxpr, a.consts) if hasattr(a, "consts") else (a, ())
   jb, cb = (b.jaxpr, b.consts) if hasattr(b, "consts") else (b, ())
-  if len(ca) != len(cb) or not all(_same_value(x, y, pairs)
+  names, dtypes = names or {}, dtypes or {}
+  if len(ca) != len(cb) or not all(_same_value(x, y, pairs, dtypes)
                                    for x, y in zip(ca, cb)):
-    raise _Differ("the constants it closes over", "other ones")
+    raise Differ("the constants it closes over", "other ones")
   ids_a, ids_b = {}, {}
-  names = names or {}
+  canon = lambda d: dtypes.get(d, d)
+  eqns_a, alias_a = _unconverted(ja.eqns, canon)
+  eqns_b, alias_b = _unconverted(jb.eqns, canon)
   first = len(ja.constvars)
 
   def define(u, v):
@@ -137,24 +158,25 @@ def _compare(a, b, pairs: set, names: dict | None = None) -> None:
     return lambda v: names.get(ids.get(v, -1) - first, f"v{ids.get(v, '?')}")
 
   def differ(ea, eb):
-    return _Differ(_show(ea, name_in(ids_a)) if ea is not None else "nothing",
+    return Differ(_show(ea, name_in(ids_a)) if ea is not None else "nothing",
                    _show(eb, name_in(ids_b)) if eb is not None else "nothing")
 
   def alike(u, v) -> bool:   # the same operand: one value, or equal literals
     if hasattr(u, "val") or hasattr(v, "val"):
       return (hasattr(u, "val") and hasattr(v, "val")
-              and _same_value(u.val, v.val, pairs))
+              and _same_value(u.val, v.val, pairs, dtypes))
+    u, v = alias_a.get(u, u), alias_b.get(v, v)
     return u in ids_a and v in ids_b and ids_a[u] == ids_b[v]
 
   def shaped(u, v) -> bool:
     x, y = u.aval, v.aval
     sx, sy = tuple(getattr(x, "shape", ())), tuple(getattr(y, "shape", ()))
-    return (getattr(x, "dtype", None) == getattr(y, "dtype", None)
+    return (canon(getattr(x, "dtype", None)) == getattr(y, "dtype", None)
             and len(sx) == len(sy) and (sx == sy or (sx, sy) in pairs))
 
   for u, v in zip(ja.constvars + ja.invars, jb.constvars + jb.invars):
     define(u, v)
-  for ea, eb in zip(ja.eqns, jb.eqns):
+  for ea, eb in zip(eqns_a, eqns_b):
     if (ea.primitive != eb.primitive or sorted(ea.params) != sorted(eb.params)
         or len(ea.invars) != len(eb.invars)
         or len(ea.outvars) != len(eb.outvars)
@@ -164,38 +186,66 @@ def _compare(a, b, pairs: set, names: dict | None = None) -> None:
     for k, pa in ea.params.items():
       pb = eb.params[k]
       sa, sb = _subs(pa), _subs(pb)
+      if isinstance(pa, np.dtype) and isinstance(pb, np.dtype):
+        pa = canon(pa)
       if (isinstance(pa, _SCALARS) and not (type(pa) is type(pb) and pa == pb)
           or len(sa) != len(sb)):
         raise differ(ea, eb)
       for x, y in zip(sa, sb):
+        if dtypes and _draws_bits(x):   # random numbers at the dtype's width
+          continue
         try:
-          _compare(x, y, pairs)
-        except _Differ:
+          compare(x, y, pairs, dtypes=dtypes)
+        except Differ:
           raise differ(ea, eb) from None
     for u, v in zip(ea.outvars, eb.outvars):
       define(u, v)
-  if len(ja.eqns) != len(jb.eqns):
-    k = min(len(ja.eqns), len(jb.eqns))
-    raise differ(ja.eqns[k] if k < len(ja.eqns) else None,
-                 jb.eqns[k] if k < len(jb.eqns) else None)
+  if len(eqns_a) != len(eqns_b):
+    k = min(len(eqns_a), len(eqns_b))
+    raise differ(eqns_a[k] if k < len(eqns_a) else None,
+                 eqns_b[k] if k < len(eqns_b) else None)
   if len(ja.outvars) != len(jb.outvars) or not all(
       map(alike, ja.outvars, jb.outvars)):
-    raise _Differ("its results in one order", "in another")
+    raise Differ("its results in one order", "in another")
+
+
+def _draws_bits(j) -> bool:
+  """Whether the (closed) jaxpr ``j`` draws random bits: ``normal(key,
+  shape, dtype)`` draws 16 bits for a bf16 value and 32 for its fp32
+  master, another program for the same draw (compared at its call only)."""
+  return any(e.primitive.name == "random_bits" or any(
+      _draws_bits(x) for v in e.params.values() for x in _subs(v))
+      for e in getattr(j, "jaxpr", j).eqns)
+
+
+def _unconverted(eqns, canon) -> tuple[list, dict]:
+  """``eqns`` less the conversions that are none under ``canon`` (bfloat16
+  to its float32 master and back, a change of weak type), and the value
+  each one's result stands for."""
+  kept, alias = [], {}
+  for e in eqns:
+    if (e.primitive.name == "convert_element_type" and not hasattr(
+        e.invars[0], "val") and canon(e.invars[0].aval.dtype)
+        == canon(e.outvars[0].aval.dtype)):
+      alias[e.outvars[0]] = alias.get(e.invars[0], e.invars[0])
+    else:
+      kept.append(e)
+  return kept, alias
 
 
 def _differs(what: str, a, b, pairs: set, names: dict) -> str | None:
   """Why ``what`` (``"update"``, ``"init"``) computes another program on the
   whole parameters (closed jaxpr ``a``) than on the shards (``b``), or None."""
   try:
-    _compare(a, b, pairs, names)
-  except _Differ as d:
+    compare(a, b, pairs, names)
+  except Differ as d:
     return (f"its {what} runs other operations on the whole parameters than "
             f"on a shard ({d.a} against {d.b}): a mask, label, constant or "
             f"branch decided by size or shape; {FIX}")
   return None
 
 
-def _names(**trees) -> dict:
+def input_names(**trees) -> dict:
   """Input number of a traced function of ``trees`` (in order) -> its path."""
   out = []
   for pre, tree in trees.items():
@@ -249,8 +299,8 @@ def size_reason(inner: optax.GradientTransformation, layout: lay.Layout,
   arrays, rebuild = xa.split(extra)
   update = xa.updater(inner, rebuild)
   return (_differs("init", _program(inner.init, whole),
-                   _program(inner.init, shards), pairs, _names(params=whole))
+                   _program(inner.init, shards), pairs, input_names(params=whole))
           or _differs("update", _program(update, whole, s_whole, whole, arrays),
                       _program(update, shards, s_shard, shards, arrays), pairs,
-                      _names(grads=whole, state=s_whole, params=whole,
+                      input_names(grads=whole, state=s_whole, params=whole,
                              extra=arrays)))

@@ -22,8 +22,8 @@ too: on bert-large's tree a start drops from the check's seconds to a
 file read. The file name hashes the key together with the versions of
 Python, jax and optax and the source of the check itself (this module,
 :mod:`.elementwise`, :mod:`.probe`, :mod:`.state_dims`, :mod:`.jaxpr_check`,
-:mod:`.size_check`, :mod:`.layout` and the rest it reads): a change to any
-of them misses. A file that cannot be read or written is a miss, never an
+:mod:`.size_check`, :mod:`.dtype_check`, :mod:`.layout` and the rest it
+reads): a change to any of them misses. A file that cannot be read or written is a miss, never an
 error.
 
 Example:
@@ -181,7 +181,8 @@ def cache_dir() -> pathlib.Path | None:
 # directly or not (tests/test_verdicts.py reads the imports and holds them
 # to this list).
 SOURCES = ("verdicts", "elementwise", "probe", "state_dims", "jaxpr_check",
-           "size_check", "blame", "extra_args", "refusal", "layout")
+           "size_check", "dtype_check", "blame", "extra_args", "refusal",
+           "layout")
 
 
 @functools.lru_cache(maxsize=1)
