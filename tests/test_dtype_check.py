@@ -128,3 +128,14 @@ def test_no_optimizer_in_optax_decides_by_dtype():
               "s": jnp.ones((), half), "f": jnp.ones((4, 3), jnp.float32)}
     for name, make in sorted(sweep.CASES.items()):
       assert _reason(make(), params, 4) is None, (name, half)
+
+@pytest.mark.parametrize("half", [jnp.bfloat16, jnp.float16])
+def test_an_explicit_state_dtype_is_not_a_decision(half):
+  """Moments kept in an explicit dtype (optax's test_explicit_dtype: adam's
+  mu_dtype, sgd's accumulator_dtype) are that dtype on the params and on
+  their masters alike: accepted."""
+  params = {"k": jnp.ones((5, 7), half), "f": jnp.ones((4, 3), jnp.float32)}
+  for tx in (optax.adam(1e-3, mu_dtype=half), optax.adam(1e-3, mu_dtype=jnp.float32),
+             optax.sgd(1e-3, momentum=0.9, accumulator_dtype=half),
+             optax.contrib.schedule_free_sgd(1e-3, state_dtype=half)):
+    assert _reason(tx, params, 4) is None

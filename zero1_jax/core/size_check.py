@@ -171,7 +171,8 @@ def compare(a, b, pairs: set, names: dict | None = None,
   def shaped(u, v) -> bool:
     x, y = u.aval, v.aval
     sx, sy = tuple(getattr(x, "shape", ())), tuple(getattr(y, "shape", ()))
-    return (canon(getattr(x, "dtype", None)) == getattr(y, "dtype", None)
+    dx, dy = getattr(x, "dtype", None), getattr(y, "dtype", None)
+    return ((dx == dy or canon(dx) == dy)   # an explicit bf16 stays one
             and len(sx) == len(sy) and (sx == sy or (sx, sy) in pairs))
 
   for u, v in zip(ja.constvars + ja.invars, jb.constvars + jb.invars):
@@ -186,7 +187,7 @@ def compare(a, b, pairs: set, names: dict | None = None,
     for k, pa in ea.params.items():
       pb = eb.params[k]
       sa, sb = _subs(pa), _subs(pb)
-      if isinstance(pa, np.dtype) and isinstance(pb, np.dtype):
+      if isinstance(pa, np.dtype) and isinstance(pb, np.dtype) and pa != pb:
         pa = canon(pa)
       if (isinstance(pa, _SCALARS) and not (type(pa) is type(pb) and pa == pb)
           or len(sa) != len(sb)):
