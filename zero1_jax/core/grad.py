@@ -53,6 +53,7 @@ from zero1_jax.core import layout as lay
 from zero1_jax.core import order as ordering
 from zero1_jax.core import param_axes as pax
 from zero1_jax.core import platform as platforms
+from zero1_jax.core import rows as batch_rows
 from zero1_jax.core import specs as zspecs
 from zero1_jax.core import zero2
 from zero1_jax.core import closed_over
@@ -80,7 +81,9 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
 
   Args:
     fun: ``fun(params, *args)`` -> the scalar mean loss over the batch it is
-      given (or ``(loss, aux)``), as for ``jax.value_and_grad``.
+      given (or ``(loss, aux)``), as for ``jax.value_and_grad``; run on
+      each device's rows, so a loss that mixes rows (batch statistics,
+      in-batch negatives) is warned of (core/rows.py).
     tx: from :func:`zero1_jax.zero1` (small leaves packed into buckets, as
       its update reduces them) or :func:`zero1_jax.zero2` (large leaves
       reduce-scattered alone, as the backward produces them).
@@ -165,6 +168,7 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
                                     movable=False)
     platform = platforms.resolve(where)
     plain = lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux)
+    batch_rows.warn_mixing(plain, (params,) + shapes, argnums)
     rows = (aux_.per_example(lambda p, *a: fun(p, *rebuild(a))[1],
                              (params,) + shapes,
                              (params,) + _pieces(args, argnums, n), n, aux_reduce)

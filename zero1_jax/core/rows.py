@@ -1,0 +1,299 @@
+"""Whether a loss mixes the batch's rows: what ``z1.value_and_grad`` cannot
+split over devices.
+
+``z1.value_and_grad`` runs the loss on each device's rows and averages the
+devices' losses. That is ``jax.value_and_grad``'s loss on the whole batch
+exactly when the loss is a mean of per-row terms. A loss that mixes rows
+computes something else on 1/N of them, with no error: in-batch negatives
+(a contrastive loss, ``z @ z.T``), statistics over the batch applied back to
+its rows (batch normalization in training mode, a softmax over the batch),
+a nonlinear function of a sum over rows (a weighted mean ``sum(w * l) /
+sum(w)``: each device divides by its own rows' weight).
+
+:func:`mixing` reads the loss's jaxpr, traced on the batch's shapes, and
+follows what each value depends on: nothing in the batch, one row at a time
+along one axis (``ROW``), or a linear sum over rows (``SUM``, as a mean is).
+Each operation the module knows maps these; one it does not know, or a
+row axis it cannot follow (a reshape that splits it, a slice of rows), stops
+the trail there (``UNKNOWN``): the check says only what it can show, so a
+loss it cannot read is let through, never refused by guess.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+  >>> w = jnp.ones((4, 3))
+  >>> per_row = jax.make_jaxpr(lambda x: jnp.mean((x @ w) ** 2))(x)
+  >>> mixing(per_row, [True]) is None
+  True
+  >>> pairs = jax.make_jaxpr(lambda x: jnp.mean(x @ x.T))(x)
+  >>> print(mixing(pairs, [True]))   # doctest: +ELLIPSIS
+  `dot_general` pairs each row with other rows ...
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+
+SUM, UNKNOWN = "sum", "unknown"   # a state: also None (no batch) or Row / Bad
+
+
+class Row(NamedTuple):
+  axis: int            # the axis along which the row varies
+
+
+class Bad(NamedTuple):
+  why: str             # what mixes rows, in words
+
+
+PAIRS = "`{p}` pairs each row with other rows (in-batch negatives, a contrastive loss)"
+MEETS = ("`{p}` combines rows with a statistic over the batch's rows (batch "
+         "normalization in training mode, a softmax over the batch)")
+NONLINEAR = ("`{p}` of a sum over the batch's rows (a weighted mean's division "
+             "by the batch's total weight, a loss normalized by the batch)")
+ALONG = "`{p}` along the batch's rows"
+
+_LINEAR = {"neg", "convert_element_type", "copy", "copy_p", "reduce_precision",
+           "real", "imag", "conj", "add", "sub", "add_any"}
+_ELEMENTWISE = _LINEAR | {
+    "mul", "div", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
+    "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
+    "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "abs", "sign", "floor", "ceil",
+    "round", "is_finite", "integer_pow", "pow", "max", "min", "atan2", "rem",
+    "nextafter", "and", "or", "not", "xor", "eq", "ne", "lt", "le", "gt", "ge",
+    "select_n", "clamp", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+    "square", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+    "population_count", "stop_gradient"}
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_SUM_KEEPS = {"reduce_sum", "cumsum", "broadcast_in_dim", "reshape", "squeeze",
+              "transpose", "slice", "pad", "rev"}
+
+
+def _join(states: Sequence) -> Any:
+  """One state for values that may be any of ``states``."""
+  bad = [s for s in states if isinstance(s, Bad)]
+  if bad:
+    return bad[0]
+  return states[0] if all(s == states[0] for s in states) else UNKNOWN
+
+
+def _elementwise(p: str, states: list) -> Any:
+  bad = [s for s in states if isinstance(s, Bad)]
+  if bad:
+    return bad[0]
+  if UNKNOWN in states:
+    return UNKNOWN
+  rows = {s.axis for s in states if isinstance(s, Row)}
+  if len(rows) > 1:
+    return Bad(PAIRS.format(p=p))
+  if rows:
+    return Bad(MEETS.format(p=p)) if SUM in states else Row(rows.pop())
+  if SUM not in states:
+    return None
+  sums = [i for i, s in enumerate(states) if s == SUM]
+  linear = (p in _LINEAR or (p == "mul" and len(sums) == 1)
+            or (p == "div" and sums == [0])
+            or (p == "select_n" and states[0] is None))
+  return SUM if linear else Bad(NONLINEAR.format(p=p))
+
+
+def _reshape(a: int, old: tuple, new: tuple) -> Any:
+  """The axis of ``new`` that row axis ``a`` of ``old`` lies in (merged
+  with others), or UNKNOWN where the reshape splits it."""
+  stride = _prod(old[a + 1:])
+  span = stride * old[a]
+  for b in range(len(new)):
+    s = _prod(new[b + 1:])
+    if s <= stride and stride % s == 0 and span <= s * new[b]:
+      return Row(b)
+  return UNKNOWN
+
+
+def _prod(xs) -> int:
+  out = 1
+  for x in xs:
+    out *= int(x)
+  return out
+
+
+def _dot(p: str, eqn, states: list) -> Any:
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  x, y = states
+  if any(isinstance(s, Bad) for s in states) or UNKNOWN in states:
+    return _join([s for s in states if s is not None])
+  if SUM in states:
+    return Bad(MEETS.format(p=p)) if any(isinstance(s, Row) for s in states) \
+        else (SUM if None in states else Bad(NONLINEAR.format(p=p)))
+  nl, nr = (len(v.aval.shape) for v in eqn.invars)
+  lfree = [d for d in range(nl) if d not in lc and d not in lb]
+  rfree = [d for d in range(nr) if d not in rc and d not in rb]
+  if isinstance(x, Row) and isinstance(y, Row):
+    if x.axis in lb and y.axis in rb and lb.index(x.axis) == rb.index(y.axis):
+      return Row(lb.index(x.axis))
+    if x.axis in lc and y.axis in rc and lc.index(x.axis) == rc.index(y.axis):
+      return SUM
+    return Bad(PAIRS.format(p=p))
+  if isinstance(x, Row):   # the other side has no rows
+    a, c, b, free, off = x.axis, lc, lb, lfree, len(lb)
+  elif isinstance(y, Row):
+    a, c, b, free, off = y.axis, rc, rb, rfree, len(rb) + len(lfree)
+  else:
+    return None
+  return SUM if a in c else Row(b.index(a)) if a in b else Row(off + free.index(a))
+
+
+def _gather(eqn, states: list) -> Any:
+  op, idx = states
+  dn = eqn.params["dimension_numbers"]
+  out_nd = len(eqn.outvars[0].aval.shape)
+  batch_out = [d for d in range(out_nd) if d not in dn.offset_dims]
+  nidx = len(eqn.invars[1].aval.shape)
+  if op is None and isinstance(idx, Row) and idx.axis < nidx - 1:
+    return Row(batch_out[idx.axis])
+  obd = tuple(getattr(dn, "operand_batching_dims", ()))
+  ibd = tuple(getattr(dn, "start_indices_batching_dims", ()))
+  if (isinstance(op, Row) and isinstance(idx, Row) and op.axis in obd
+      and ibd[obd.index(op.axis)] == idx.axis and idx.axis < nidx - 1):
+    return Row(batch_out[idx.axis])
+  if isinstance(op, Row) and idx is None and op.axis not in (
+      tuple(dn.collapsed_slice_dims) + tuple(dn.start_index_map) + obd):
+    kept = [d for d in range(len(eqn.invars[0].aval.shape))
+            if d not in tuple(dn.collapsed_slice_dims) + obd]
+    return Row(dn.offset_dims[kept.index(op.axis)])
+  return _join([s for s in states if s is not None]) if any(
+      isinstance(s, Bad) for s in states) else UNKNOWN
+
+
+def _one(eqn, states: list) -> list:
+  """The states of ``eqn``'s results from its operands' ``states``."""
+  p, prm = eqn.primitive.name, eqn.params
+  outs = len(eqn.outvars)
+  if all(s is None for s in states):
+    return [None] * outs
+  bad = [s for s in states if isinstance(s, Bad)]
+  if bad:
+    return [bad[0]] * outs
+  s0 = states[0]
+  if p in _ELEMENTWISE:
+    return [_elementwise(p, states)] * outs
+  if p == "dot_general":
+    return [_dot(p, eqn, states)]
+  if p == "gather":
+    return [_gather(eqn, states)]
+  if p == "scan":
+    return _scan(eqn, states)
+  sub = next((prm[k] for k in _CALLS if k in prm), None)
+  if sub is not None and len(getattr(sub, "jaxpr", sub).invars) == len(states):
+    return _run(sub, states)
+  if p == "cond":
+    if states[0] is not None:
+      return [UNKNOWN] * outs
+    return [_join(list(s)) for s in zip(*(_run(b, states[1:])
+                                           for b in prm["branches"]))]
+  rows = {s.axis for s in states if isinstance(s, Row)}
+  if p in ("concatenate", "sort", "optimization_barrier"):
+    along = prm.get("dimension")
+    if p == "sort" and along in rows:
+      return [Bad(ALONG.format(p=p))] * outs
+    if p == "optimization_barrier":
+      return list(states)
+    joined = _join([s for s in states if s is not None])
+    return [UNKNOWN if along in rows else joined] * outs
+  if len(states) != 1:
+    return [UNKNOWN] * outs
+  if s0 == SUM:   # a sum moved, summed or cut: still one
+    return [SUM if p in _SUM_KEEPS else Bad(NONLINEAR.format(p=p))] * outs
+  if not isinstance(s0, Row):
+    return [UNKNOWN] * outs
+  a, shape = s0.axis, eqn.invars[0].aval.shape
+  if p == "broadcast_in_dim":
+    return [Row(prm["broadcast_dimensions"][a])]
+  if p == "reshape":
+    return [_reshape(a, tuple(shape), tuple(prm["new_sizes"]))]
+  if p == "transpose":
+    return [Row(list(prm["permutation"]).index(a))]
+  if p == "squeeze":
+    dims = prm["dimensions"]
+    return [UNKNOWN if a in dims else Row(a - sum(d < a for d in dims))]
+  if p.startswith(("reduce_", "arg")) and "axes" in prm:
+    axes = prm["axes"]
+    if a not in axes:
+      return [Row(a - sum(d < a for d in axes))] * outs
+    return [SUM if p == "reduce_sum" else Bad(ALONG.format(p=p))] * outs
+  if p.startswith("cum"):
+    along = prm.get("axis", prm.get("dimension"))
+    return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
+  whole = {"slice": lambda: prm["start_indices"][a] == 0 and prm[
+               "limit_indices"][a] == shape[a] and (prm["strides"] or [1] * 99)[a] == 1,
+           "pad": lambda: tuple(prm["padding_config"][a]) == (0, 0, 0),
+           "rev": lambda: a not in prm["dimensions"]}
+  if p in whole:
+    return [s0 if whole[p]() else UNKNOWN]
+  return [UNKNOWN] * outs
+
+
+def _scan(eqn, states: list) -> list:
+  prm = eqn.params
+  nc, nk = prm["num_consts"], prm["num_carry"]
+  consts, carry, xs = states[:nc], states[nc:nc + nk], states[nc + nk:]
+  xs = [UNKNOWN if isinstance(s, Row) and s.axis == 0 else
+        Row(s.axis - 1) if isinstance(s, Row) else s for s in xs]
+  for _ in range(4):   # the carry's state, to a fixed point
+    out = _run(prm["jaxpr"], consts + carry + xs)
+    new = [_join([c, o]) for c, o in zip(carry, out[:nk])]
+    if new == carry:
+      break
+    carry = new
+  ys = [Row(s.axis + 1) if isinstance(s, Row) else s for s in out[nk:]]
+  return carry + ys
+
+
+def _run(closed, states: Sequence) -> list:
+  """The states of ``closed``'s (a jaxpr, closed or not) results."""
+  j = getattr(closed, "jaxpr", closed)
+  env: dict = {v: None for v in j.constvars}
+  env.update(zip(j.invars, states))
+  read = lambda v: env.get(v) if not hasattr(v, "val") else None
+  for eqn in j.eqns:
+    try:
+      out = _one(eqn, [read(v) for v in eqn.invars])
+    except Exception:  # noqa: BLE001 - a form it does not know: no trail
+      out = [UNKNOWN] * len(eqn.outvars)
+    env.update(zip(eqn.outvars, out))
+  return [read(v) for v in j.outvars]
+
+
+def mixing(closed: Any, batch: Sequence[bool]) -> str | None:
+  """What in the jaxpr ``closed`` (its first result: the loss) mixes the
+  batch's rows, or None. ``batch``: per input, whether it is a batch leaf
+  (its leading axis the rows)."""
+  j = getattr(closed, "jaxpr", closed)
+  states = [Row(0) if b and len(v.aval.shape) else None
+            for v, b in zip(j.invars, batch)]
+  out = _run(closed, states)[0]
+  return out.why if isinstance(out, Bad) else None
+
+
+MIXES = (
+    "zero1: z1.value_and_grad runs the loss on each device's rows of the "
+    "batch and averages the devices' losses, which is jax.value_and_grad's "
+    "loss on the whole batch only for a mean of per-row terms. This loss "
+    "mixes rows: {why}; its value and gradients differ from "
+    "jax.value_and_grad's. Pass what needs the whole batch as an argument "
+    "(a weighted mean: return n * jnp.sum(w * l) / total, with total the "
+    "whole batch's jnp.sum(w)), or take this loss's gradient with "
+    "jax.value_and_grad in the jitted step (tx.update reduces it too).")
+
+
+def warn_mixing(fun: Callable, args: tuple, argnums: Sequence[int]) -> None:
+  """Warns (:data:`MIXES`) where ``fun(*args)``'s first result mixes the
+  rows of the arguments at ``argnums`` (the batch)."""
+  closed = jax.make_jaxpr(fun)(*args)
+  batch = [i in argnums for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+  if len(batch) != len(closed.jaxpr.invars):
+    return
+  why = mixing(closed, batch)
+  if why:
+    warnings.warn(MIXES.format(why=why), UserWarning, stacklevel=4)
