@@ -296,4 +296,4 @@ def warn_mixing(fun: Callable, args: tuple, argnums: Sequence[int]) -> None:
     return
   why = mixing(closed, batch)
   if why:
-    warnings.warn(MIXES.format(why=why), UserWarning, stacklevel=4)
+    warnings.warn(MIXES.format(why=why), UserWarning, stacklevel=3)
