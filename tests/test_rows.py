@@ -192,3 +192,50 @@ def test_rows_are_followed_through_calls_branches_and_reshapes():
                   (merged, "statistic"), (split, None), (linear, None)):
     why, _ = _states(f, x, batch=(True,))
     assert (why is None) if want is None else (want in why), (f, why)
+
+
+class ConvBn(nn.Module):   # flax's imagenet / mnist examples, in training
+  @nn.compact
+  def __call__(self, x):
+    h = nn.max_pool(nn.Conv(4, (3, 3))(x), (2, 2), (2, 2))
+    h = nn.BatchNorm(use_running_average=False)(h)
+    return nn.avg_pool(nn.relu(h), (2, 2), (2, 2)).mean((1, 2))
+
+
+class ConvOnly(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.max_pool(nn.relu(nn.Conv(4, (3, 3))(x)), (2, 2), (2, 2))
+    return nn.Dense(3)(h.reshape(h.shape[0], -1))
+
+
+def test_the_forms_flax_examples_write_are_followed():
+  """What the rows pass through in flax's examples (found by running
+  lm1b, wmt, imagenet, mnist and sst2 with only the gradient line changed):
+  a convolution and pooling keep the batch's rows, so BatchNorm after them
+  is found; lm1b's shift right (a pad, a dynamic slice) and an LSTM's scan
+  over time from a zero carry keep them, so a weighted mean after them is
+  found, and the plain means pass."""
+  img = jax.ShapeDtypeStruct((B, 8, 8, 3), jnp.float32)
+  for model, want in ((ConvBn(), "statistic over the batch's rows"), (ConvOnly(), None)):
+    v = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((2, 8, 8, 3))))
+    f = lambda v, x: jnp.mean(model.apply(v, x, mutable=["batch_stats"])[0]
+                              if isinstance(model, ConvBn) else model.apply(v, x))
+    why, _ = _states(f, v, img, batch=(False, True))
+    assert (why is None) if want is None else (want in why), (model, why)
+  ids = jax.ShapeDtypeStruct((B, 6), jnp.int32)
+  emb = jnp.ones((16, 4))
+
+  def shifted(own_weight):
+    def loss(ids):
+      prev = jax.lax.dynamic_slice_in_dim(jnp.pad(ids, ((0, 0), (1, 0))), 0, 6, 1)
+      x = jnp.take(emb, prev, axis=0)                       # (B, T, 4)
+      def cell(c, xt):                                      # over time, from zeros
+        c = jnp.tanh(c + xt)
+        return c, c
+      _, hs = jax.lax.scan(cell, jnp.zeros((B, 4)), x.transpose(1, 0, 2))
+      l, w = (hs ** 2).sum(-1).T, (ids > 0).astype(jnp.float32)
+      return jnp.sum(l * w) / jnp.sum(w) if own_weight else jnp.mean(l)
+    return loss
+  assert "`div` of a sum" in _states(shifted(True), ids, batch=(True,))[0]
+  assert _states(shifted(False), ids, batch=(True,))[0] is None

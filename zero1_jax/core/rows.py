@@ -13,7 +13,10 @@ sum(w)``: each device divides by its own rows' weight).
 :func:`mixing` reads the loss's jaxpr, traced on the batch's shapes, and
 follows what each value depends on: nothing in the batch, one row at a time
 along one axis (``ROW``), or a linear sum over rows (``SUM``, as a mean is).
-Each operation the module knows maps these; one it does not know, or a
+Each operation the module knows maps these (elementwise ones, contractions,
+reductions, reshapes, lookups, convolutions and pooling, pads and slices
+that keep every row, calls, scans from a zero carry, conds); one it does
+not know, or a
 row axis it cannot follow (a reshape that splits it, a slice of rows), stops
 the trail there (``UNKNOWN``): the check says only what it can show, so a
 loss it cannot read is let through, never refused by guess.
@@ -68,14 +71,18 @@ _ELEMENTWISE = _LINEAR | {
     "population_count", "stop_gradient"}
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _SUM_KEEPS = {"reduce_sum", "cumsum", "broadcast_in_dim", "reshape", "squeeze",
-              "transpose", "slice", "pad", "rev"}
+              "transpose", "slice", "pad", "rev", "dynamic_slice", "split",
+              "reduce_window_sum"}
 
 
 def _join(states: Sequence) -> Any:
-  """One state for values that may be any of ``states``."""
+  """One state for values that may be any of ``states`` (a value with no
+  batch in it is one of rows, or of a sum, as well: a carry that starts at
+  zeros)."""
   bad = [s for s in states if isinstance(s, Bad)]
   if bad:
     return bad[0]
+  states = [s for s in states if s is not None] or [None]
   return states[0] if all(s == states[0] for s in states) else UNKNOWN
 
 
@@ -144,6 +151,18 @@ def _dot(p: str, eqn, states: list) -> Any:
   return SUM if a in c else Row(b.index(a)) if a in b else Row(off + free.index(a))
 
 
+def _conv(eqn, states: list) -> Any:
+  """A convolution keeps its input's rows (its batch dimension), unless
+  batch groups mix them."""
+  x, k = states
+  dn = eqn.params["dimension_numbers"]
+  if (isinstance(x, Row) and k is None and x.axis == dn.lhs_spec[0]
+      and eqn.params["batch_group_count"] == 1):
+    return Row(dn.out_spec[0])
+  return _join([s for s in states if s is not None]) if any(
+      isinstance(s, Bad) for s in states) else UNKNOWN
+
+
 def _gather(eqn, states: list) -> Any:
   op, idx = states
   dn = eqn.params["dimension_numbers"]
@@ -192,6 +211,10 @@ def _one(eqn, states: list) -> list:
       return [UNKNOWN] * outs
     return [_join(list(s)) for s in zip(*(_run(b, states[1:])
                                            for b in prm["branches"]))]
+  if p == "conv_general_dilated":
+    return [_conv(eqn, states)]
+  if p in ("pad", "dynamic_slice") and all(s is None for s in states[1:]):
+    states = states[:1]   # the padding value, the starts: no batch
   rows = {s.axis for s in states if isinstance(s, Row)}
   if p in ("concatenate", "sort", "optimization_barrier"):
     along = prm.get("dimension")
@@ -225,9 +248,17 @@ def _one(eqn, states: list) -> list:
   if p.startswith("cum"):
     along = prm.get("axis", prm.get("dimension"))
     return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
+  if p == "split":
+    return [UNKNOWN if prm["axis"] == a else s0] * outs
+  if p.startswith("reduce_window"):   # pooling: a window of 1 row
+    one = (prm["window_dimensions"][a] == 1 and prm["window_strides"][a] == 1
+           and tuple(prm["padding"][a]) == (0, 0)
+           and prm["base_dilation"][a] == 1)
+    return [s0 if one else UNKNOWN] * outs
   whole = {"slice": lambda: prm["start_indices"][a] == 0 and prm[
                "limit_indices"][a] == shape[a] and (prm["strides"] or [1] * 99)[a] == 1,
            "pad": lambda: tuple(prm["padding_config"][a]) == (0, 0, 0),
+           "dynamic_slice": lambda: prm["slice_sizes"][a] == shape[a],
            "rev": lambda: a not in prm["dimensions"]}
   if p in whole:
     return [s0 if whole[p]() else UNKNOWN]
