@@ -20,6 +20,8 @@ same bound with 80 terms.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,6 +147,25 @@ def test_train_step_averages_and_says_so_for_integers():
         "count": jnp.sum(b["x"][:, 0] > 0), "mean": jnp.mean(b["x"])}))
   assert float(aux["count"]) == np.sum(x[:, 0] > 0) / 8   # 8 pieces: 2 x 4
   assert abs(float(aux["mean"]) - float(np.mean(x))) <= 2 * 80 * U * np.mean(np.abs(x))
+
+
+def test_an_integer_computed_from_no_row_is_averaged_silently():
+  """An integer the batch does not reach (a call counter in an nnx model's
+  state) is the same on every device, so its mean is it: not warned; a
+  count of rows beside it still is."""
+  with pytest.warns(UserWarning, match=r"aux leaves \['count'\] are integers"):
+    aux, _ = _step_aux(lambda p, b: _step_loss(p, b, lambda p, b: {
+        "count": jnp.sum(b["x"][:, 0] > 0), "calls": jnp.int32(3) + 1}))
+  assert float(aux["calls"]) == 4.0
+  tx = z1.zero1(optax.sgd(0.1), axis_name="data")
+  loss = lambda p, x, calls: (jnp.mean((x @ p["w"]) ** 2), {"calls": calls + 1})
+  with jax.set_mesh(mesh(4)), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    p = jax.device_put({"w": jnp.ones((5, 3))}, NamedSharding(mesh(4), P()))
+    x = jax.device_put(np.ones((8, 5), np.float32), NamedSharding(mesh(4), P("data")))
+    (_, aux), _ = jax.jit(z1.value_and_grad(loss, tx, has_aux=True))(
+        p, x, jnp.int32(7))
+  assert float(aux["calls"]) == 8.0
 
 
 def test_train_step_refuses_per_example_aux():

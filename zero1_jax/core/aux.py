@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zero1_jax.core import rows as batch_rows
+
 MEAN, SUM = "mean", "sum"
 
 BATCH_SHAPED = (
@@ -81,12 +83,14 @@ def check_step(fun_aux: Callable, params: Any, batch: Any, pieces: int,
 
 
 def per_example(fun_aux: Callable, whole_args: tuple, piece_args: tuple,
-                n: int, how: Any = MEAN) -> Any:
+                n: int, how: Any = MEAN, argnums: tuple = (1,)) -> Any:
   """A tree like the aux of ``fun_aux(*args)``: True where a leaf's leading
   dim on the whole batch (``whole_args``) is ``n`` times that on one
   device's piece (``piece_args``, abstract or concrete), False where the
   two shapes match; ValueError for any other change. Warns (for the caller
-  of the caller) if ``how`` averages integer leaves."""
+  of the caller) if ``how`` averages integer leaves computed from the batch
+  (the arguments at ``argnums``; one computed from none is the same on
+  every device, and its mean is it)."""
   whole = jax.eval_shape(fun_aux, *whole_args)
   piece = jax.eval_shape(fun_aux, *piece_args)
 
@@ -101,6 +105,11 @@ def per_example(fun_aux: Callable, whole_args: tuple, piece_args: tuple,
   ints = [jax.tree_util.keystr(path) for (path, x), r in
           zip(jax.tree_util.tree_flatten_with_path(piece)[0], jax.tree.leaves(rows))
           if not r and jnp.issubdtype(x.dtype, jnp.integer)]
+  if how == MEAN and ints and n > 1:
+    free = [jax.tree_util.keystr(path) for (path, _), f in zip(
+        jax.tree_util.tree_flatten_with_path(piece)[0],
+        batch_rows.batch_free(fun_aux, whole_args, argnums)) if f]
+    ints = [i for i in ints if i not in free]
   if how == MEAN and ints and n > 1:
     warnings.warn(INT_MEAN.format(paths=", ".join(ints), n=n), UserWarning,
                   stacklevel=3)

@@ -171,7 +171,8 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     batch_rows.warn_mixing(plain, (params,) + shapes, argnums)
     rows = (aux_.per_example(lambda p, *a: fun(p, *rebuild(a))[1],
                              (params,) + shapes,
-                             (params,) + _pieces(args, argnums, n), n, aux_reduce)
+                             (params,) + _pieces(args, argnums, n), n, aux_reduce,
+                             argnums)
             if has_aux else None)
     lookups = _lookups(shard_lookups, platform, where, layout, plain, params,
                        args, argnums, n, cfg.mesh)

@@ -296,14 +296,31 @@ def _run(closed, states: Sequence) -> list:
   return [read(v) for v in j.outvars]
 
 
+def _states_in(closed: Any, batch: Sequence[bool]) -> list:
+  return [Row(0) if b and len(v.aval.shape) else None
+          for v, b in zip(getattr(closed, "jaxpr", closed).invars, batch)]
+
+
+def _flags(args: tuple, argnums: Sequence[int]) -> list[bool]:
+  return [i in argnums for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+
+
+def batch_free(fun: Callable, args: tuple, argnums: Sequence[int]) -> list[bool]:
+  """Per result leaf of ``fun(*args)``: whether it is computed from nothing
+  in the arguments at ``argnums`` (the batch), so that every device's is
+  the same (a call counter in an nnx model's state)."""
+  closed = jax.make_jaxpr(fun)(*args)
+  batch = _flags(args, argnums)
+  if len(batch) != len(closed.jaxpr.invars):
+    return [False] * len(closed.jaxpr.outvars)
+  return [s is None for s in _run(closed, _states_in(closed, batch))]
+
+
 def mixing(closed: Any, batch: Sequence[bool]) -> str | None:
   """What in the jaxpr ``closed`` (its first result: the loss) mixes the
   batch's rows, or None. ``batch``: per input, whether it is a batch leaf
   (its leading axis the rows)."""
-  j = getattr(closed, "jaxpr", closed)
-  states = [Row(0) if b and len(v.aval.shape) else None
-            for v, b in zip(j.invars, batch)]
-  out = _run(closed, states)[0]
+  out = _run(closed, _states_in(closed, batch))[0]
   return out.why if isinstance(out, Bad) else None
 
 
@@ -322,7 +339,7 @@ def warn_mixing(fun: Callable, args: tuple, argnums: Sequence[int]) -> None:
   """Warns (:data:`MIXES`) where ``fun(*args)``'s first result mixes the
   rows of the arguments at ``argnums`` (the batch)."""
   closed = jax.make_jaxpr(fun)(*args)
-  batch = [i in argnums for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+  batch = _flags(args, argnums)
   if len(batch) != len(closed.jaxpr.invars):
     return
   why = mixing(closed, batch)
