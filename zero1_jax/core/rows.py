@@ -267,7 +267,10 @@ def _one(eqn, states: list) -> list:
 
 def _scan(eqn, states: list) -> list:
   prm = eqn.params
-  nc, nk = prm["num_consts"], prm["num_carry"]
+  if "num_consts" in prm:
+    nc, nk = prm["num_consts"], prm["num_carry"]
+  else:   # jax 0.12: a flat tree of (consts, carry, xs), one leaf each
+    nc, nk = (len(list(t)) for t in prm["ft_in"].unpack()[:2])
   consts, carry, xs = states[:nc], states[nc:nc + nk], states[nc + nk:]
   xs = [UNKNOWN if isinstance(s, Row) and s.axis == 0 else
         Row(s.axis - 1) if isinstance(s, Row) else s for s in xs]
