@@ -173,7 +173,7 @@ def test_the_models_own_losses():
 
 def test_rows_are_followed_through_calls_branches_and_reshapes():
   """A statistic over rows inside a scanned layer, in a scan over time of
-  (T, B, ...) slices, in a cond's branch and
+  (T, B, ...) slices, a pmean over a vmapped batch, in a cond's branch and
   after a (B, T) -> (B*T) reshape is found; a reshape that splits the rows
   loses the trail (no guess), and a sum over rows that is only scaled and
   added stays a mean."""
@@ -183,12 +183,14 @@ def test_rows_are_followed_through_calls_branches_and_reshapes():
                                    None, length=2)[0].mean()
   over_time = lambda x: jax.lax.scan(   # time-major xs: (T, B, 8)
       lambda c, xt: (c, bn(xt)), 0.0, jnp.broadcast_to(x, (3, B, 8)))[1].mean()
+  vmapped = lambda x: jax.vmap(   # Equinox's BatchNorm: pmean over a vmap
+      lambda r: r - jax.lax.pmean(r, "batch"), axis_name="batch")(x).mean()
   in_cond = lambda x: jax.lax.cond(True, bn, lambda h: h, x).mean()
   merged = lambda x: bn(jnp.broadcast_to(x[:, None], (B, 3, 8)).reshape(-1, 8)).mean()
   split = lambda x: bn(x.reshape(2, B // 2, 8)).mean()
   linear = lambda x: 0.5 * x.sum() / B + 2.0 * jnp.mean(x ** 2) - x.mean()
   for f, want in ((in_scan, "statistic"), (over_time, "statistic"),
-                  (in_cond, "statistic"),
+                  (vmapped, "statistic"), (in_cond, "statistic"),
                   (merged, "statistic"), (split, None), (linear, None)):
     why, _ = _states(f, x, batch=(True,))
     assert (why is None) if want is None else (want in why), (f, why)

@@ -151,6 +151,19 @@ def _dot(p: str, eqn, states: list) -> Any:
   return SUM if a in c else Row(b.index(a)) if a in b else Row(off + free.index(a))
 
 
+def _reduced(p: str, s: Any, axes: Sequence[int]) -> Any:
+  """A reduction (``reduce_sum``, ``sum``, ``reduce_max``, ...) over
+  ``axes`` of one operand in state ``s``."""
+  linear = p in ("reduce_sum", "sum")
+  if isinstance(s, Row):
+    if s.axis not in axes:
+      return Row(s.axis - sum(d < s.axis for d in axes))
+    return SUM if linear else Bad(ALONG.format(p=p))
+  if s == SUM:
+    return SUM if linear else Bad(NONLINEAR.format(p=p))
+  return s
+
+
 def _conv(eqn, states: list) -> Any:
   """A convolution keeps its input's rows (its batch dimension), unless
   batch groups mix them."""
@@ -213,6 +226,10 @@ def _one(eqn, states: list) -> list:
                                            for b in prm["branches"]))]
   if p == "conv_general_dilated":
     return [_conv(eqn, states)]
+  if p in ("psum", "pmax", "pmin") and all(
+      isinstance(d, int) for d in prm["axes"]):
+    # over positional axes: a vmapped lax.pmean (Equinox's BatchNorm)
+    return [_reduced(p[1:], s, prm["axes"]) for s in states]
   if p in ("pad", "dynamic_slice") and all(s is None for s in states[1:]):
     states = states[:1]   # the padding value, the starts: no batch
   rows = {s.axis for s in states if isinstance(s, Row)}
@@ -241,10 +258,7 @@ def _one(eqn, states: list) -> list:
     dims = prm["dimensions"]
     return [UNKNOWN if a in dims else Row(a - sum(d < a for d in dims))]
   if p.startswith(("reduce_", "arg")) and "axes" in prm:
-    axes = prm["axes"]
-    if a not in axes:
-      return [Row(a - sum(d < a for d in axes))] * outs
-    return [SUM if p == "reduce_sum" else Bad(ALONG.format(p=p))] * outs
+    return [_reduced(p, s0, prm["axes"])] * outs
   if p.startswith("cum"):
     along = prm.get("axis", prm.get("dimension"))
     return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
