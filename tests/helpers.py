@@ -158,6 +158,25 @@ def ddp_run(tx, params, batches, n):
   return p
 
 
+def optax_and_zero1_steps(make, loss, params, steps: int = 3, n: int = 8):
+  """``(zero1's params, optax's)`` after ``steps`` full-gradient steps of
+  ``make()``'s optimizer on ``loss(params)``: optax unsharded, and zero1
+  (``z1.zero1(make())``) in plain jit on ``n`` devices."""
+  import zero1_jax as z1
+  want, s = params, make().init(params)
+  for _ in range(steps):
+    u, s = make().update(jax.grad(loss)(want), s, want)
+    want = optax.apply_updates(want, u)
+  tx = z1.zero1(make(), axis_name="data")
+  with jax.set_mesh(mesh(n)):
+    got, st = params, tx.init(params)
+    step = jax.jit(lambda p, s: tx.update(jax.grad(loss)(p), s, p))
+    for _ in range(steps):
+      u, st = step(got, st)
+      got = optax.apply_updates(got, u)
+  return got, want
+
+
 def deepspeed_clip(c: float) -> optax.GradientTransformation:
   """DeepSpeed ZeRO-1/2's clip (runtime/zero/stage_1_and_2.py), unsharded."""
   def update(g, state, params=None):

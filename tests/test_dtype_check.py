@@ -23,7 +23,7 @@ import zero1_jax as z1
 from zero1_jax.core import dtype_check as dc
 from zero1_jax.core import layout as lay
 import elementwise_sweep as sweep
-from helpers import assert_equal, mesh
+from helpers import assert_equal, mesh, optax_and_zero1_steps
 
 P = {"w32": jnp.ones((16, 8), jnp.float32), "wbf": jnp.ones((16, 8), jnp.bfloat16)}
 is_f32 = lambda p: jax.tree.map(lambda x: x.dtype == jnp.float32, p)
@@ -79,17 +79,7 @@ def test_the_same_choice_by_path_trains_as_optax():
       {"train": optax.sgd(0.1), "frozen": optax.set_to_zero()}, by_path)
   loss = lambda p: (jnp.sum(p["w32"] ** 2)
                     + jnp.sum(p["wbf"].astype(jnp.float32) ** 2))
-  want, s = P, make().init(P)
-  for _ in range(3):
-    u, s = make().update(jax.grad(loss)(want), s, want)
-    want = optax.apply_updates(want, u)
-  tx = z1.zero1(make(), axis_name="data")
-  with jax.set_mesh(mesh(8)):
-    got, st = P, tx.init(P)
-    step = jax.jit(lambda p, s: tx.update(jax.grad(loss)(p), s, p))
-    for _ in range(3):
-      u, st = step(got, st)
-      got = optax.apply_updates(got, u)
+  got, want = optax_and_zero1_steps(make, loss, P)
   assert_equal(got, want)
   assert float(got["w32"][0, 0]) == pytest.approx(0.8 ** 3, rel=1e-6)
   assert float(got["wbf"][0, 0]) == 1.0

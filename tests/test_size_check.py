@@ -22,7 +22,7 @@ import zero1_jax as z1
 from zero1_jax.core import elementwise as ew
 from zero1_jax.core import layout as lay
 from zero1_jax.core import size_check as sc
-from helpers import assert_equal, mesh
+from helpers import assert_equal, mesh, optax_and_zero1_steps
 
 P = {"w": jnp.ones((16, 8)), "b": jnp.ones((3,))}   # w: 128 elements, 16 per shard at N=8
 by_size = lambda ps: jax.tree.map(lambda x: "big" if x.size > 64 else "small", ps)
@@ -79,17 +79,7 @@ def test_the_same_choices_by_ndim_train_as_optax_bitwise():
   make = lambda: optax.partition({"big": optax.sgd(0.01),
                                   "small": optax.sgd(0.1)}, by_ndim)
   loss = lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(jnp.sin(p["b"]))
-  want, s = P, make().init(P)
-  for _ in range(3):
-    u, s = make().update(jax.grad(loss)(want), s, want)
-    want = optax.apply_updates(want, u)
-  tx = z1.zero1(make(), axis_name="data")
-  with jax.set_mesh(mesh(8)):
-    got, st = P, tx.init(P)
-    step = jax.jit(lambda p, s: tx.update(jax.grad(loss)(p), s, p))
-    for _ in range(3):
-      u, st = step(got, st)
-      got = optax.apply_updates(got, u)
+  got, want = optax_and_zero1_steps(make, loss, P)
   assert_equal(got, want)
   assert float(got["w"][0, 0]) == pytest.approx(0.98 ** 3, rel=1e-6)   # lr 0.01
 
