@@ -61,11 +61,17 @@ def own_weighted_mean(p, x, y):
   return jnp.sum(w * l) / jnp.maximum(jnp.sum(w), 1.0)
 
 
+def hardest_examples(p, x, y):   # online hard example mining
+  l = optax.softmax_cross_entropy_with_integer_labels(x @ p["w"], y)
+  return jnp.mean(jax.lax.top_k(l, 2)[0])
+
+
 MIXING = {contrastive: "`dot_general` pairs each row with other rows",
           batch_norm: "`sub` combines rows with a statistic over the batch's rows",
           pairwise: "`sub` pairs each row with other rows",
           softmax_over_batch: "`reduce_max` along the batch's rows",
-          own_weighted_mean: "`max` of a sum over the batch's rows"}
+          own_weighted_mean: "`max` of a sum over the batch's rows",
+          hardest_examples: "`top_k` along the batch's rows"}
 
 
 def cross_entropy(p, x, y):
@@ -189,7 +195,8 @@ def test_rows_are_followed_through_calls_branches_and_reshapes():
   merged = lambda x: bn(jnp.broadcast_to(x[:, None], (B, 3, 8)).reshape(-1, 8)).mean()
   split = lambda x: bn(x.reshape(2, B // 2, 8)).mean()
   linear = lambda x: 0.5 * x.sum() / B + 2.0 * jnp.mean(x ** 2) - x.mean()
-  for f, want in ((in_scan, "statistic"), (over_time, "statistic"),
+  top_features = lambda x: jax.lax.top_k(x, 3)[0].mean()   # per row
+  for f, want in ((top_features, None), (in_scan, "statistic"), (over_time, "statistic"),
                   (vmapped, "statistic"), (in_cond, "statistic"),
                   (merged, "statistic"), (split, None), (linear, None)):
     why, _ = _states(f, x, batch=(True,))

@@ -262,6 +262,9 @@ def _one(eqn, states: list) -> list:
   if p.startswith("cum"):
     along = prm.get("axis", prm.get("dimension"))
     return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
+  if p == "top_k":   # the k largest along one axis (hardest examples)
+    along = prm.get("axis", -1) % len(shape)
+    return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
   if p == "split":
     return [UNKNOWN if prm["axis"] == a else s0] * outs
   if p.startswith("reduce_window"):   # pooling: a window of 1 row
