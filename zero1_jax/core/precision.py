@@ -29,19 +29,34 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+import functools
 
 import jax
 import jax.numpy as jnp
 
 
-class LossScaleState(NamedTuple):
-  """Loss-scaler state; every field is a replicated scalar."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=(
+    "scale", "step", "last_overflow", "hysteresis"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class LossScaleState:
+  """Loss-scaler state; every field is a replicated scalar.
+
+  A dataclass, not a NamedTuple, so that ``optax.tree_utils.tree_get`` /
+  ``tree_set``, which match the fields of NamedTuples and dicts by name,
+  find ``reduce_on_plateau``'s ``scale`` alone in a zero1 state, as in
+  optax's (its paths, ``loss_scale.scale``, are a NamedTuple's).
+  """
 
   scale: jax.Array              # f32[]  current loss scale (1.0 when off)
   step: jax.Array               # i32[]  DeepSpeed's cur_iter
   last_overflow: jax.Array      # i32[]  DeepSpeed's last_overflow_iter
   hysteresis: jax.Array         # i32[]  DeepSpeed's cur_hysteresis
+
+  def _replace(self, **fields) -> "LossScaleState":   # NamedTuple's reads
+    return dataclasses.replace(self, **fields)
+
+  def _asdict(self) -> dict:
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def _count(state: LossScaleState, overflow) -> LossScaleState:
@@ -169,9 +184,7 @@ def loss_factor(policy: LossScale, state: LossScaleState) -> jax.Array:
 
 def scale_of(policy: LossScale, state: LossScaleState) -> jax.Array:
   """The factor the loss was multiplied by: ``state.scale``, or 1 without
-  loss scaling whatever the state holds (``optax.tree_utils.tree_set(
-  opt_state, scale=...)``, meant for ``reduce_on_plateau``'s, sets this
-  field too)."""
+  loss scaling whatever the state holds."""
   if isinstance(policy, NoLossScale):
     # 1, but read from the state as before (XLA folds 0 * x only for
     # integers): with a constant 1 XLA rewrites the gradients' scaling
