@@ -66,12 +66,18 @@ def hardest_examples(p, x, y):   # online hard example mining
   return jnp.mean(jax.lax.top_k(l, 2)[0])
 
 
+def two_views(p, x, y):   # two augmentations stacked in one batch, split
+  a, b = jnp.split(x @ p["w"], 2)
+  return jnp.mean(jnp.sum((a - b) ** 2, -1))
+
+
 MIXING = {contrastive: "`dot_general` pairs each row with other rows",
           batch_norm: "`sub` combines rows with a statistic over the batch's rows",
           pairwise: "`sub` pairs each row with other rows",
           softmax_over_batch: "`reduce_max` along the batch's rows",
           own_weighted_mean: "`max` of a sum over the batch's rows",
-          hardest_examples: "`top_k` along the batch's rows"}
+          hardest_examples: "`top_k` along the batch's rows",
+          two_views: "`sub` pairs rows at different positions in the batch"}
 
 
 def cross_entropy(p, x, y):
@@ -196,7 +202,12 @@ def test_rows_are_followed_through_calls_branches_and_reshapes():
   split = lambda x: bn(x.reshape(2, B // 2, 8)).mean()
   linear = lambda x: 0.5 * x.sum() / B + 2.0 * jnp.mean(x ** 2) - x.mean()
   top_features = lambda x: jax.lax.top_k(x, 3)[0].mean()   # per row
-  for f, want in ((top_features, None), (in_scan, "statistic"), (over_time, "statistic"),
+  shifted = lambda x: jnp.mean((x[1:] - x[:-1]) ** 2)   # row i with row i+1
+  halves = lambda x: x[:B // 2].mean() + jnp.mean(x[B // 2:][::-1] * 2.0)
+  views = lambda x: jnp.mean(jnp.einsum("bd,bd->b", *jnp.split(x, 2)))
+  for f, want in ((top_features, None), (shifted, "different positions"),
+                  (views, "different positions"),
+                  (halves, None), (in_scan, "statistic"), (over_time, "statistic"),
                   (vmapped, "statistic"), (in_cond, "statistic"),
                   (merged, "statistic"), (split, None), (linear, None)):
     why, _ = _states(f, x, batch=(True,))

@@ -15,9 +15,12 @@ follows what each value depends on: nothing in the batch, one row at a time
 along one axis (``ROW``), or a linear sum over rows (``SUM``, as a mean is).
 Each operation the module knows maps these (elementwise ones, contractions,
 reductions, reshapes, lookups, convolutions and pooling, pads and slices
-that keep every row, calls, scans from a zero carry, conds); one it does
-not know, or a
-row axis it cannot follow (a reshape that splits it, a slice of rows), stops
+that keep every row, calls, scans from a zero carry, conds). A slice, split
+or reversal of the rows picks them by position (``Row.part``), which each
+device does on its own rows: two different picks meeting pair rows the
+whole batch does not (two views stacked in one batch). One it does not
+know, or a row axis it cannot follow (a reshape that splits it, a
+concatenation along it), stops
 the trail there (``UNKNOWN``): the check says only what it can show, so a
 loss it cannot read is let through, never refused by guess.
 
@@ -45,6 +48,7 @@ SUM, UNKNOWN = "sum", "unknown"   # a state: also None (no batch) or Row / Bad
 
 class Row(NamedTuple):
   axis: int            # the axis along which the row varies
+  part: tuple = ()     # the rows picked by position (a slice), if not all
 
 
 class Bad(NamedTuple):
@@ -57,6 +61,9 @@ MEETS = ("`{p}` combines rows with a statistic over the batch's rows (batch "
 NONLINEAR = ("`{p}` of a sum over the batch's rows (a weighted mean's division "
              "by the batch's total weight, a loss normalized by the batch)")
 ALONG = "`{p}` along the batch's rows"
+PLACES = ("`{p}` pairs rows at different positions in the batch (a batch "
+          "split into views or shifted; each device splits its own rows: "
+          "pass each view as a batch argument of its own)")
 
 _LINEAR = {"neg", "convert_element_type", "copy", "copy_p", "reduce_precision",
            "real", "imag", "conj", "add", "sub", "add_any"}
@@ -92,11 +99,11 @@ def _elementwise(p: str, states: list) -> Any:
     return bad[0]
   if UNKNOWN in states:
     return UNKNOWN
-  rows = {s.axis for s in states if isinstance(s, Row)}
+  rows = {s for s in states if isinstance(s, Row)}
   if len(rows) > 1:
-    return Bad(PAIRS.format(p=p))
+    return Bad((PAIRS if len({r.axis for r in rows}) > 1 else PLACES).format(p=p))
   if rows:
-    return Bad(MEETS.format(p=p)) if SUM in states else Row(rows.pop())
+    return Bad(MEETS.format(p=p)) if SUM in states else rows.pop()
   if SUM not in states:
     return None
   sums = [i for i, s in enumerate(states) if s == SUM]
@@ -106,15 +113,16 @@ def _elementwise(p: str, states: list) -> Any:
   return SUM if linear else Bad(NONLINEAR.format(p=p))
 
 
-def _reshape(a: int, old: tuple, new: tuple) -> Any:
-  """The axis of ``new`` that row axis ``a`` of ``old`` lies in (merged
-  with others), or UNKNOWN where the reshape splits it."""
+def _reshape(s0: Row, old: tuple, new: tuple) -> Any:
+  """``s0`` on the axis of ``new`` that its row axis of ``old`` lies in
+  (merged with others), or UNKNOWN where the reshape splits it."""
+  a = s0.axis
   stride = _prod(old[a + 1:])
   span = stride * old[a]
   for b in range(len(new)):
     s = _prod(new[b + 1:])
     if s <= stride and stride % s == 0 and span <= s * new[b]:
-      return Row(b)
+      return s0._replace(axis=b)
   return UNKNOWN
 
 
@@ -137,18 +145,22 @@ def _dot(p: str, eqn, states: list) -> Any:
   lfree = [d for d in range(nl) if d not in lc and d not in lb]
   rfree = [d for d in range(nr) if d not in rc and d not in rb]
   if isinstance(x, Row) and isinstance(y, Row):
+    if x.part != y.part:
+      return Bad(PLACES.format(p=p))
     if x.axis in lb and y.axis in rb and lb.index(x.axis) == rb.index(y.axis):
-      return Row(lb.index(x.axis))
+      return x._replace(axis=lb.index(x.axis))
     if x.axis in lc and y.axis in rc and lc.index(x.axis) == rc.index(y.axis):
       return SUM
     return Bad(PAIRS.format(p=p))
   if isinstance(x, Row):   # the other side has no rows
-    a, c, b, free, off = x.axis, lc, lb, lfree, len(lb)
+    r, c, b, free, off = x, lc, lb, lfree, len(lb)
   elif isinstance(y, Row):
-    a, c, b, free, off = y.axis, rc, rb, rfree, len(rb) + len(lfree)
+    r, c, b, free, off = y, rc, rb, rfree, len(rb) + len(lfree)
   else:
     return None
-  return SUM if a in c else Row(b.index(a)) if a in b else Row(off + free.index(a))
+  a = r.axis
+  return SUM if a in c else r._replace(
+      axis=b.index(a) if a in b else off + free.index(a))
 
 
 def _reduced(p: str, s: Any, axes: Sequence[int]) -> Any:
@@ -157,7 +169,7 @@ def _reduced(p: str, s: Any, axes: Sequence[int]) -> Any:
   linear = p in ("reduce_sum", "sum")
   if isinstance(s, Row):
     if s.axis not in axes:
-      return Row(s.axis - sum(d < s.axis for d in axes))
+      return s._replace(axis=s.axis - sum(d < s.axis for d in axes))
     return SUM if linear else Bad(ALONG.format(p=p))
   if s == SUM:
     return SUM if linear else Bad(NONLINEAR.format(p=p))
@@ -171,7 +183,7 @@ def _conv(eqn, states: list) -> Any:
   dn = eqn.params["dimension_numbers"]
   if (isinstance(x, Row) and k is None and x.axis == dn.lhs_spec[0]
       and eqn.params["batch_group_count"] == 1):
-    return Row(dn.out_spec[0])
+    return x._replace(axis=dn.out_spec[0])
   return _join([s for s in states if s is not None]) if any(
       isinstance(s, Bad) for s in states) else UNKNOWN
 
@@ -183,17 +195,18 @@ def _gather(eqn, states: list) -> Any:
   batch_out = [d for d in range(out_nd) if d not in dn.offset_dims]
   nidx = len(eqn.invars[1].aval.shape)
   if op is None and isinstance(idx, Row) and idx.axis < nidx - 1:
-    return Row(batch_out[idx.axis])
+    return idx._replace(axis=batch_out[idx.axis])
   obd = tuple(getattr(dn, "operand_batching_dims", ()))
   ibd = tuple(getattr(dn, "start_indices_batching_dims", ()))
   if (isinstance(op, Row) and isinstance(idx, Row) and op.axis in obd
-      and ibd[obd.index(op.axis)] == idx.axis and idx.axis < nidx - 1):
-    return Row(batch_out[idx.axis])
+      and ibd[obd.index(op.axis)] == idx.axis and idx.axis < nidx - 1
+      and op.part == idx.part):
+    return idx._replace(axis=batch_out[idx.axis])
   if isinstance(op, Row) and idx is None and op.axis not in (
       tuple(dn.collapsed_slice_dims) + tuple(dn.start_index_map) + obd):
     kept = [d for d in range(len(eqn.invars[0].aval.shape))
             if d not in tuple(dn.collapsed_slice_dims) + obd]
-    return Row(dn.offset_dims[kept.index(op.axis)])
+    return op._replace(axis=dn.offset_dims[kept.index(op.axis)])
   return _join([s for s in states if s is not None]) if any(
       isinstance(s, Bad) for s in states) else UNKNOWN
 
@@ -249,14 +262,14 @@ def _one(eqn, states: list) -> list:
     return [UNKNOWN] * outs
   a, shape = s0.axis, eqn.invars[0].aval.shape
   if p == "broadcast_in_dim":
-    return [Row(prm["broadcast_dimensions"][a])]
+    return [s0._replace(axis=prm["broadcast_dimensions"][a])]
   if p == "reshape":
-    return [_reshape(a, tuple(shape), tuple(prm["new_sizes"]))]
+    return [_reshape(s0, tuple(shape), tuple(prm["new_sizes"]))]
   if p == "transpose":
-    return [Row(list(prm["permutation"]).index(a))]
+    return [s0._replace(axis=list(prm["permutation"]).index(a))]
   if p == "squeeze":
     dims = prm["dimensions"]
-    return [UNKNOWN if a in dims else Row(a - sum(d < a for d in dims))]
+    return [UNKNOWN if a in dims else s0._replace(axis=a - sum(d < a for d in dims))]
   if p.startswith(("reduce_", "arg")) and "axes" in prm:
     return [_reduced(p, s0, prm["axes"])] * outs
   if p.startswith("cum"):
@@ -265,8 +278,9 @@ def _one(eqn, states: list) -> list:
   if p == "top_k":   # the k largest along one axis (hardest examples)
     along = prm.get("axis", -1) % len(shape)
     return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
-  if p == "split":
-    return [UNKNOWN if prm["axis"] == a else s0] * outs
+  if p == "split":   # along the rows: each piece picks rows by position
+    return [s0._replace(part=s0.part + (("split", i, tuple(prm["sizes"])),))
+            if prm["axis"] == a else s0 for i in range(outs)]
   if p.startswith("reduce_window"):   # pooling: a window of 1 row
     one = (prm["window_dimensions"][a] == 1 and prm["window_strides"][a] == 1
            and tuple(prm["padding"][a]) == (0, 0)
@@ -277,8 +291,15 @@ def _one(eqn, states: list) -> list:
            "pad": lambda: tuple(prm["padding_config"][a]) == (0, 0, 0),
            "dynamic_slice": lambda: prm["slice_sizes"][a] == shape[a],
            "rev": lambda: a not in prm["dimensions"]}
-  if p in whole:
-    return [s0 if whole[p]() else UNKNOWN]
+  if p in whole:   # a slice or reversal of the rows: rows by position
+    if whole[p]():
+      return [s0]
+    if p == "slice":
+      at = (prm["start_indices"][a], prm["limit_indices"][a],
+            (prm["strides"] or [1] * 99)[a])
+      return [s0._replace(part=s0.part + (("slice", shape[a]) + at,))]
+    return [s0._replace(part=s0.part + (("rev", shape[a]),))] if p == "rev" \
+        else [UNKNOWN]
   return [UNKNOWN] * outs
 
 
@@ -290,14 +311,14 @@ def _scan(eqn, states: list) -> list:
     nc, nk = (len(list(t)) for t in prm["ft_in"].unpack()[:2])
   consts, carry, xs = states[:nc], states[nc:nc + nk], states[nc + nk:]
   xs = [UNKNOWN if isinstance(s, Row) and s.axis == 0 else
-        Row(s.axis - 1) if isinstance(s, Row) else s for s in xs]
+        s._replace(axis=s.axis - 1) if isinstance(s, Row) else s for s in xs]
   for _ in range(4):   # the carry's state, to a fixed point
     out = _run(prm["jaxpr"], consts + carry + xs)
     new = [_join([c, o]) for c, o in zip(carry, out[:nk])]
     if new == carry:
       break
     carry = new
-  ys = [Row(s.axis + 1) if isinstance(s, Row) else s for s in out[nk:]]
+  ys = [s._replace(axis=s.axis + 1) if isinstance(s, Row) else s for s in out[nk:]]
   return carry + ys
 
 
