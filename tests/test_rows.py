@@ -212,6 +212,17 @@ def test_rows_are_followed_through_calls_branches_and_reshapes():
                   (merged, "statistic"), (split, None), (linear, None)):
     why, _ = _states(f, x, batch=(True,))
     assert (why is None) if want is None else (want in why), (f, why)
+  # Two views as batch arguments, concatenated for the model and split back:
+  # each piece is its view again (each device holds the same rows of both).
+  model = lambda a, b: jnp.split(jnp.tanh(jnp.concatenate([a, b]) @ jnp.eye(8)), 2)
+  aligned = lambda a, b: jnp.mean(jnp.sum(jnp.prod(jnp.stack(model(a, b)), 0), -1))
+  negatives = lambda a, b: jnp.mean(model(a, b)[0] @ model(a, b)[1].T)
+  crossed = lambda a, b: jnp.mean(jnp.concatenate([a, b])[:B // 2] * a[B // 2:])
+  normed = lambda a, b: jnp.mean(bn(jnp.concatenate([a, b])) ** 2)
+  for f, want in ((aligned, None), (negatives, "pairs each row with other rows"),
+                  (crossed, "different positions"), (normed, "statistic")):
+    why, _ = _states(f, x, x, batch=(True, True))
+    assert (why is None) if want is None else (want in why), (f, why)
 
 
 class ConvBn(nn.Module):   # flax's imagenet / mnist examples, in training

@@ -14,15 +14,14 @@ sum(w)``: each device divides by its own rows' weight).
 follows what each value depends on: nothing in the batch, one row at a time
 along one axis (``ROW``), or a linear sum over rows (``SUM``, as a mean is).
 Each operation the module knows maps these (elementwise ones, contractions,
-reductions, reshapes, lookups, convolutions and pooling, pads and slices
-that keep every row, calls, scans from a zero carry, conds). A slice, split
-or reversal of the rows picks them by position (``Row.part``), which each
-device does on its own rows: two different picks meeting pair rows the
-whole batch does not (two views stacked in one batch). One it does not
-know, or a row axis it cannot follow (a reshape that splits it, a
-concatenation along it), stops
-the trail there (``UNKNOWN``): the check says only what it can show, so a
-loss it cannot read is let through, never refused by guess.
+reductions, reshapes, lookups, convolutions and pooling, pads, calls,
+scans from a zero carry, conds). A slice, split, reversal or concatenation
+of rows picks them by position (``Row.part``), which each device does on
+its own rows: two different picks meeting pair rows the whole batch does
+not (two views stacked in one batch). One it does not know, or a row axis
+it cannot follow (a reshape that splits it), stops the trail there
+(``UNKNOWN``): the check says only what it can show, so a loss it cannot
+read is let through, never refused by guess.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -252,6 +251,10 @@ def _one(eqn, states: list) -> list:
       return [Bad(ALONG.format(p=p))] * outs
     if p == "optimization_barrier":
       return list(states)
+    if p == "concatenate" and rows == {along} and all(
+        isinstance(s, Row) for s in states):   # rows after rows: by position
+      sizes = tuple(v.aval.shape[along] for v in eqn.invars)
+      return [Row(along, (("cat", sizes, tuple(s.part for s in states)),))]
     joined = _join([s for s in states if s is not None])
     return [UNKNOWN if along in rows else joined] * outs
   if len(states) != 1:
@@ -279,28 +282,38 @@ def _one(eqn, states: list) -> list:
     along = prm.get("axis", -1) % len(shape)
     return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
   if p == "split":   # along the rows: each piece picks rows by position
-    return [s0._replace(part=s0.part + (("split", i, tuple(prm["sizes"])),))
-            if prm["axis"] == a else s0 for i in range(outs)]
+    ends = [sum(prm["sizes"][:i + 1]) for i in range(outs)]
+    return [_picked(s0, e - z, e, 1, shape[a]) if prm["axis"] == a else s0
+            for e, z in zip(ends, prm["sizes"])]
   if p.startswith("reduce_window"):   # pooling: a window of 1 row
     one = (prm["window_dimensions"][a] == 1 and prm["window_strides"][a] == 1
            and tuple(prm["padding"][a]) == (0, 0)
            and prm["base_dilation"][a] == 1)
     return [s0 if one else UNKNOWN] * outs
-  whole = {"slice": lambda: prm["start_indices"][a] == 0 and prm[
-               "limit_indices"][a] == shape[a] and (prm["strides"] or [1] * 99)[a] == 1,
-           "pad": lambda: tuple(prm["padding_config"][a]) == (0, 0, 0),
+  if p == "slice":   # rows by position, unless all of them
+    return [_picked(s0, prm["start_indices"][a], prm["limit_indices"][a],
+                    (prm["strides"] or [1] * 99)[a], shape[a])]
+  whole = {"pad": lambda: tuple(prm["padding_config"][a]) == (0, 0, 0),
            "dynamic_slice": lambda: prm["slice_sizes"][a] == shape[a],
-           "rev": lambda: a not in prm["dimensions"]}
-  if p in whole:   # a slice or reversal of the rows: rows by position
-    if whole[p]():
-      return [s0]
-    if p == "slice":
-      at = (prm["start_indices"][a], prm["limit_indices"][a],
-            (prm["strides"] or [1] * 99)[a])
-      return [s0._replace(part=s0.part + (("slice", shape[a]) + at,))]
-    return [s0._replace(part=s0.part + (("rev", shape[a]),))] if p == "rev" \
-        else [UNKNOWN]
+           "rev": lambda: a not in prm["dimensions"]}   # reversed: by position
+  if p in whole:
+    return [s0 if whole[p]() else s0._replace(part=s0.part + (("rev", shape[a]),))
+            if p == "rev" else UNKNOWN]
   return [UNKNOWN] * outs
+
+
+def _picked(s0: Row, start: int, stop: int, stride: int, size: int) -> Row:
+  """Rows ``start:stop:stride`` of the ``size`` rows of ``s0``: exactly one
+  operand of the concatenation ``s0`` is (that operand again), or a pick."""
+  if (start, stop, stride) == (0, size, 1):
+    return s0
+  cat = s0.part[-1] if s0.part and s0.part[-1][0] == "cat" else None
+  if cat and stride == 1:
+    ends = [sum(cat[1][:i + 1]) for i in range(len(cat[1]))]
+    for lo, hi, part in zip([0] + ends[:-1], ends, cat[2]):
+      if (lo, hi) == (start, stop):
+        return s0._replace(part=part)
+  return s0._replace(part=s0.part + (("slice", size, start, stop, stride),))
 
 
 def _scan(eqn, states: list) -> list:
