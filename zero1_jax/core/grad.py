@@ -158,31 +158,32 @@ def value_and_grad(fun: Callable, tx: Zero1Transformation, *,
     # run it, minus the batch's sharding types, which code written for one
     # device (flax's Dropout: a mask typed whole, its input split) refuses.
     shapes = vag_args.abstract(args)
-    if closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
-                                     (params,) + shapes, axis, n, argnums):
-      # arrays on an Explicit mesh it closes over, which shard_map refuses:
-      # moved off the mesh where the closure reaches them
-      fun = explicit_consts.movable(fun)
-      closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
-                                    (params,) + shapes, axis, n, argnums,
-                                    movable=False)
-    platform = platforms.resolve(where)
-    plain = lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux)
-    batch_rows.warn_mixing(plain, (params,) + shapes, argnums)
-    rows = (aux_.per_example(lambda p, *a: fun(p, *rebuild(a))[1],
-                             (params,) + shapes,
-                             (params,) + _pieces(args, argnums, n), n, aux_reduce,
-                             argnums)
-            if has_aux else None)
-    lookups = _lookups(shard_lookups, platform, where, layout, plain, params,
-                       args, argnums, n, cfg.mesh)
-    # Reduced in the order the backward completes the gradients (core/order.py;
-    # tree order on CPU, which neither combines nor overlaps collectives),
-    # each group after the one before (XLA otherwise queues them at the
-    # backward's end).
-    gpu_like = platform != "cpu"
-    order = ordering.first_reads(plain, params, *shapes,
-                                 lookups=lookups) if gpu_like else None
+    with vag_args.data_axis(axis, n):   # as the shard_map binds it
+      if closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
+                                       (params,) + shapes, axis, n, argnums):
+        # arrays on an Explicit mesh it closes over, which shard_map refuses:
+        # moved off the mesh where the closure reaches them
+        fun = explicit_consts.movable(fun)
+        closed_over.check_closed_over(lambda p, *a: fun(p, *rebuild(a)),
+                                      (params,) + shapes, axis, n, argnums,
+                                      movable=False)
+      platform = platforms.resolve(where)
+      plain = lambda p, *a: _loss_only(fun(p, *rebuild(a)), has_aux)
+      batch_rows.warn_mixing(plain, (params,) + shapes, argnums, axis)
+      rows = (aux_.per_example(lambda p, *a: fun(p, *rebuild(a))[1],
+                               (params,) + shapes,
+                               (params,) + _pieces(args, argnums, n), n,
+                               aux_reduce, argnums)
+              if has_aux else None)
+      lookups = _lookups(shard_lookups, platform, where, layout, plain, params,
+                         args, argnums, n, cfg.mesh)
+      # Reduced in the order the backward completes the gradients
+      # (core/order.py; tree order on CPU, which neither combines nor
+      # overlaps collectives), each group after the one before (XLA
+      # otherwise queues them at the backward's end).
+      gpu_like = platform != "cpu"
+      order = ordering.first_reads(plain, params, *shapes,
+                                   lookups=lookups) if gpu_like else None
     # GPUs on several hosts: the hooks' leaves packed, their chain kept
     # whole (zero2.reduced_grad_fn; measured on GPUs only).
     apart = platform == "gpu" and not platforms.one_host(where, cfg.mesh)

@@ -7,7 +7,8 @@ the others, with each device's index folded in (:func:`device_keys`; a raw
 :func:`say_raw_keys` says so); the checks that name a batch left out of
 ``batch_argnums`` or a scalar in it (:func:`check_batch`,
 :func:`batch_hint`); and the arguments as shapes without their placement
-(:func:`abstract`), on which zero1 traces the loss for its own checks.
+(:func:`abstract`), on which zero1 traces the loss for its own checks,
+with the data axis bound as the shard_map binds it (:func:`data_axis`).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -17,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -106,3 +108,19 @@ def abstract(args: tuple) -> tuple:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
                                 weak_type=getattr(aval, "weak_type", False))
   return tuple(jax.tree.map(one, a) for a in args)
+
+
+@contextlib.contextmanager
+def data_axis(axis: str, n: int):
+  """``axis`` (of ``n`` devices) bound while zero1 traces the loss outside
+  its shard_map, as the shard_map binds it where the loss runs: a loss may
+  use it (``jax.lax.all_gather`` of a contrastive loss's embeddings, a
+  ``psum`` of the batch's total weight, flax's ``BatchNorm(axis_name=)``),
+  which zero1's checks failed on with "unbound axis name"."""
+  try:   # what jax.make_jaxpr(axis_env=...) binds; private (0.10.2-0.12)
+    from jax._src.core import extend_axis_env_nd
+  except ImportError:  # pragma: no cover
+    yield
+    return
+  with extend_axis_env_nd([(axis, n)]):
+    yield
