@@ -44,9 +44,9 @@ from typing import Any, Callable, Sequence
 import jax
 
 from zero1_jax.core.rows_rules import (
-    ALONG, NONLINEAR, SUM, UNKNOWN, Bad, Row, _CALLS, _ELEMENTWISE,
-    _SUM_KEEPS, _conv, _dot, _elementwise, _gather, _join, _picked, _reduced,
-    _reshape)
+    ALONG, NONLINEAR, SUM, UNKNOWN, Bad, Row, CALLS, ELEMENTWISE,
+    SUM_KEEPS, conv, dot, elementwise, gather, join, picked, reduced,
+    reshape)
 
 # The data axis while :func:`mixing` runs: a collective over it (a psum of
 # the batch's weight, an all_gather of in-batch negatives) gives every
@@ -64,28 +64,28 @@ def _one(eqn, states: list) -> list:
   if bad:
     return [bad[0]] * outs
   s0 = states[0]
-  if p in _ELEMENTWISE:
-    return [_elementwise(p, states)] * outs
+  if p in ELEMENTWISE:
+    return [elementwise(p, states)] * outs
   if p == "dot_general":
-    return [_dot(p, eqn, states)]
+    return [dot(p, eqn, states)]
   if p == "gather":
-    return [_gather(eqn, states)]
+    return [gather(eqn, states)]
   if p == "scan":
     return _scan(eqn, states)
-  sub = next((prm[k] for k in _CALLS if k in prm), None)
+  sub = next((prm[k] for k in CALLS if k in prm), None)
   if sub is not None and len(getattr(sub, "jaxpr", sub).invars) == len(states):
     return _run(sub, states)
   if p == "cond":
     if states[0] is not None:
       return [UNKNOWN] * outs
-    return [_join(list(s)) for s in zip(*(_run(b, states[1:])
+    return [join(list(s)) for s in zip(*(_run(b, states[1:])
                                            for b in prm["branches"]))]
   if p == "conv_general_dilated":
-    return [_conv(eqn, states)]
+    return [conv(eqn, states)]
   if p in ("psum", "pmax", "pmin") and all(
       isinstance(d, int) for d in prm["axes"]):
     # over positional axes: a vmapped lax.pmean (Equinox's BatchNorm)
-    return [_reduced(p[1:], s, prm["axes"]) for s in states]
+    return [reduced(p[1:], s, prm["axes"]) for s in states]
   named = prm.get("axes", prm.get("axis_name")) or ()
   named = set(named if isinstance(named, (tuple, list)) else [named])
   if p in ("psum", "all_gather") and _DATA_AXIS.get() in named - {None}:
@@ -105,26 +105,26 @@ def _one(eqn, states: list) -> list:
         isinstance(s, Row) for s in states):   # rows after rows: by position
       sizes = tuple(v.aval.shape[along] for v in eqn.invars)
       return [Row(along, (("cat", sizes, tuple(s.part for s in states)),))]
-    joined = _join([s for s in states if s is not None])
+    joined = join([s for s in states if s is not None])
     return [UNKNOWN if along in rows else joined] * outs
   if len(states) != 1:
     return [UNKNOWN] * outs
   if s0 == SUM:   # a sum moved, summed or cut: still one
-    return [SUM if p in _SUM_KEEPS else Bad(NONLINEAR.format(p=p))] * outs
+    return [SUM if p in SUM_KEEPS else Bad(NONLINEAR.format(p=p))] * outs
   if not isinstance(s0, Row):
     return [UNKNOWN] * outs
   a, shape = s0.axis, eqn.invars[0].aval.shape
   if p == "broadcast_in_dim":
     return [s0._replace(axis=prm["broadcast_dimensions"][a])]
   if p == "reshape":
-    return [_reshape(s0, tuple(shape), tuple(prm["new_sizes"]))]
+    return [reshape(s0, tuple(shape), tuple(prm["new_sizes"]))]
   if p == "transpose":
     return [s0._replace(axis=list(prm["permutation"]).index(a))]
   if p == "squeeze":
     dims = prm["dimensions"]
     return [UNKNOWN if a in dims else s0._replace(axis=a - sum(d < a for d in dims))]
   if p.startswith(("reduce_", "arg")) and "axes" in prm:
-    return [_reduced(p, s0, prm["axes"])] * outs
+    return [reduced(p, s0, prm["axes"])] * outs
   if p.startswith("cum"):
     along = prm.get("axis", prm.get("dimension"))
     return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
@@ -133,7 +133,7 @@ def _one(eqn, states: list) -> list:
     return [Bad(ALONG.format(p=p)) if along == a else s0] * outs
   if p == "split":   # along the rows: each piece picks rows by position
     ends = [sum(prm["sizes"][:i + 1]) for i in range(outs)]
-    return [_picked(s0, e - z, e, 1, shape[a]) if prm["axis"] == a else s0
+    return [picked(s0, e - z, e, 1, shape[a]) if prm["axis"] == a else s0
             for e, z in zip(ends, prm["sizes"])]
   if p.startswith("reduce_window"):   # pooling: a window of 1 row
     one = (prm["window_dimensions"][a] == 1 and prm["window_strides"][a] == 1
@@ -141,7 +141,7 @@ def _one(eqn, states: list) -> list:
            and prm["base_dilation"][a] == 1)
     return [s0 if one else UNKNOWN] * outs
   if p == "slice":   # rows by position, unless all of them
-    return [_picked(s0, prm["start_indices"][a], prm["limit_indices"][a],
+    return [picked(s0, prm["start_indices"][a], prm["limit_indices"][a],
                     (prm["strides"] or [1] * 99)[a], shape[a])]
   whole = {"pad": lambda: tuple(prm["padding_config"][a]) == (0, 0, 0),
            "dynamic_slice": lambda: prm["slice_sizes"][a] == shape[a],
@@ -163,7 +163,7 @@ def _scan(eqn, states: list) -> list:
         s._replace(axis=s.axis - 1) if isinstance(s, Row) else s for s in xs]
   for _ in range(4):   # the carry's state, to a fixed point
     out = _run(prm["jaxpr"], consts + carry + xs)
-    new = [_join([c, o]) for c, o in zip(carry, out[:nk])]
+    new = [join([c, o]) for c, o in zip(carry, out[:nk])]
     if new == carry:
       break
     carry = new

@@ -5,9 +5,9 @@ rows it picks by position; a linear sum over rows: ``SUM``; ``UNKNOWN``;
 contractions, reductions, reshapes, lookups and convolutions map them.
 
 Example:
-  >>> _elementwise("mul", [Row(0), None])
+  >>> elementwise("mul", [Row(0), None])
   Row(axis=0, part=())
-  >>> print(_elementwise("sub", [Row(0), SUM]).why)   # doctest: +ELLIPSIS
+  >>> print(elementwise("sub", [Row(0), SUM]).why)   # doctest: +ELLIPSIS
   `sub` combines rows with a statistic over the batch's rows ...
 """
 
@@ -39,7 +39,7 @@ PLACES = ("`{p}` pairs rows at different positions in the batch (a batch "
 
 _LINEAR = {"neg", "convert_element_type", "copy", "copy_p", "reduce_precision",
            "real", "imag", "conj", "add", "sub", "add_any"}
-_ELEMENTWISE = _LINEAR | {
+ELEMENTWISE = _LINEAR | {
     "mul", "div", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
     "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
     "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "abs", "sign", "floor", "ceil",
@@ -48,13 +48,13 @@ _ELEMENTWISE = _LINEAR | {
     "select_n", "clamp", "erf", "erfc", "erf_inv", "lgamma", "digamma",
     "square", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "stop_gradient"}
-_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_SUM_KEEPS = {"reduce_sum", "cumsum", "broadcast_in_dim", "reshape", "squeeze",
+CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+SUM_KEEPS = {"reduce_sum", "cumsum", "broadcast_in_dim", "reshape", "squeeze",
               "transpose", "slice", "pad", "rev", "dynamic_slice", "split",
               "reduce_window_sum"}
 
 
-def _join(states: Sequence) -> Any:
+def join(states: Sequence) -> Any:
   """One state for values that may be any of ``states`` (a value with no
   batch in it is one of rows, or of a sum, as well: a carry that starts at
   zeros)."""
@@ -65,7 +65,7 @@ def _join(states: Sequence) -> Any:
   return states[0] if all(s == states[0] for s in states) else UNKNOWN
 
 
-def _elementwise(p: str, states: list) -> Any:
+def elementwise(p: str, states: list) -> Any:
   bad = [s for s in states if isinstance(s, Bad)]
   if bad:
     return bad[0]
@@ -85,7 +85,7 @@ def _elementwise(p: str, states: list) -> Any:
   return SUM if linear else Bad(NONLINEAR.format(p=p))
 
 
-def _reshape(s0: Row, old: tuple, new: tuple) -> Any:
+def reshape(s0: Row, old: tuple, new: tuple) -> Any:
   """``s0`` on the axis of ``new`` that its row axis of ``old`` lies in
   (merged with others), or UNKNOWN where the reshape splits it."""
   a = s0.axis
@@ -105,11 +105,11 @@ def _prod(xs) -> int:
   return out
 
 
-def _dot(p: str, eqn, states: list) -> Any:
+def dot(p: str, eqn, states: list) -> Any:
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   x, y = states
   if any(isinstance(s, Bad) for s in states) or UNKNOWN in states:
-    return _join([s for s in states if s is not None])
+    return join([s for s in states if s is not None])
   if SUM in states:
     return Bad(MEETS.format(p=p)) if any(isinstance(s, Row) for s in states) \
         else (SUM if None in states else Bad(NONLINEAR.format(p=p)))
@@ -135,7 +135,7 @@ def _dot(p: str, eqn, states: list) -> Any:
       axis=b.index(a) if a in b else off + free.index(a))
 
 
-def _reduced(p: str, s: Any, axes: Sequence[int]) -> Any:
+def reduced(p: str, s: Any, axes: Sequence[int]) -> Any:
   """A reduction (``reduce_sum``, ``sum``, ``reduce_max``, ...) over
   ``axes`` of one operand in state ``s``."""
   linear = p in ("reduce_sum", "sum")
@@ -148,7 +148,7 @@ def _reduced(p: str, s: Any, axes: Sequence[int]) -> Any:
   return s
 
 
-def _conv(eqn, states: list) -> Any:
+def conv(eqn, states: list) -> Any:
   """A convolution keeps its input's rows (its batch dimension), unless
   batch groups mix them."""
   x, k = states
@@ -156,11 +156,11 @@ def _conv(eqn, states: list) -> Any:
   if (isinstance(x, Row) and k is None and x.axis == dn.lhs_spec[0]
       and eqn.params["batch_group_count"] == 1):
     return x._replace(axis=dn.out_spec[0])
-  return _join([s for s in states if s is not None]) if any(
+  return join([s for s in states if s is not None]) if any(
       isinstance(s, Bad) for s in states) else UNKNOWN
 
 
-def _gather(eqn, states: list) -> Any:
+def gather(eqn, states: list) -> Any:
   op, idx = states
   dn = eqn.params["dimension_numbers"]
   out_nd = len(eqn.outvars[0].aval.shape)
@@ -179,11 +179,11 @@ def _gather(eqn, states: list) -> Any:
     kept = [d for d in range(len(eqn.invars[0].aval.shape))
             if d not in tuple(dn.collapsed_slice_dims) + obd]
     return op._replace(axis=dn.offset_dims[kept.index(op.axis)])
-  return _join([s for s in states if s is not None]) if any(
+  return join([s for s in states if s is not None]) if any(
       isinstance(s, Bad) for s in states) else UNKNOWN
 
 
-def _picked(s0: Row, start: int, stop: int, stride: int, size: int) -> Row:
+def picked(s0: Row, start: int, stop: int, stride: int, size: int) -> Row:
   """Rows ``start:stop:stride`` of the ``size`` rows of ``s0``: exactly one
   operand of the concatenation ``s0`` is (that operand again), or a pick."""
   if (start, stop, stride) == (0, size, 1):
