@@ -248,3 +248,15 @@ def test_the_probe_runs_on_one_device_inside_the_users_mesh():
   with jax.set_mesh(mesh(N)):
     whole, parts = probe._run_both(inner, update, None, small, full_p, full_g)
   assert {len(x.sharding.device_set) for x in whole + parts} == {1}
+
+
+def test_the_check_runs_under_a_programs_transfer_guard():
+  """A program that forbids implicit transfers (big_vision sets
+  ``jax_transfer_guard="disallow"``) still gets the check's verdict: its
+  numbers are zero1's own. Before, every optimizer, ``optax.sgd``
+  included, was refused as failing "on the probe"."""
+  layout = z1.plan(float_part(odd_params()), N)
+  with jax.transfer_guard("disallow"):
+    assert ew.probe_reason(optax.sgd(LR), layout) is None
+    why = ew.probe_reason(optax.contrib.dadapt_adamw(), layout)
+  assert "its state on N=4 shards differs" in why, why   # refused for its own reason

@@ -86,7 +86,17 @@ def probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
                  extra: dict | None = None) -> str | None:
   """Two updates on ``probe_layout`` leaves, whole vs. as N shards (zero
   padded, like zero1's master shards): why they differ, or None. ``extra``:
-  the update's extra keyword arguments, passed as ones of their shapes."""
+  the update's extra keyword arguments, passed as ones of their shapes.
+
+  Runs with jax's transfers allowed: the probe's numbers are zero1's own,
+  copied to a device and back under a program's
+  ``jax_transfer_guard="disallow"`` (big_vision sets it) as well."""
+  with jax.transfer_guard("allow"):
+    return _probe_reason(inner, layout, dtype, seed, extra)
+
+
+def _probe_reason(inner: optax.GradientTransformation, layout: lay.Layout,
+                  dtype: Any, seed: int, extra: dict | None) -> str | None:
   n = layout.num_shards
   small = probe_layout(layout, n)
   try:
