@@ -144,6 +144,27 @@ def test_reduce_on_plateaus_scale_reads_and_sets_by_name_as_in_optax():
   assert float(d.loss_scale.scale) == 2.0 ** 8   # zero1's own, untouched
 
 
+def test_flax_serialization_reads_every_leaf_and_restores_the_state():
+  """``flax.serialization`` names a state's leaves (big_vision's sharding
+  rules and checkpoints walk ``to_state_dict``) and writes it with
+  ``to_bytes``: the loss-scale state, a dataclass since ``tree_get`` must
+  not match its ``scale``, is a dict of its fields there, as the NamedTuple
+  it was (unregistered, it stayed an object and ``to_bytes`` refused it)."""
+  from flax import serialization, traverse_util
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data",
+                loss_scale=z1.DynamicLossScale(initial_scale_power=8))
+  with jax.set_mesh(mesh(N)):
+    s = tx.init(PARAMS)
+  d = serialization.to_state_dict(s)
+  assert set(d["loss_scale"]) == {"scale", "step", "last_overflow", "hysteresis"}
+  flat = traverse_util.flatten_dict(d)
+  assert all(v is None or isinstance(v, jax.Array) for v in flat.values()), flat
+  back = serialization.from_bytes(s, serialization.to_bytes(s))
+  assert type(back.loss_scale) is type(s.loss_scale)
+  assert float(back.loss_scale.scale) == 2.0 ** 8
+  assert_equal(jax.tree.map(np.asarray, back), jax.tree.map(np.asarray, s))
+
+
 def test_a_name_neither_has_says_where_to_look():
   tx = z1.zero1(optax.adam(1e-2), axis_name="data")
   with jax.set_mesh(mesh(N)):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +53,36 @@ class LossScaleState:
   last_overflow: jax.Array      # i32[]  DeepSpeed's last_overflow_iter
   hysteresis: jax.Array         # i32[]  DeepSpeed's cur_hysteresis
 
+  def __post_init__(self):
+    _for_flax()
+
   def _replace(self, **fields) -> "LossScaleState":   # NamedTuple's reads
     return dataclasses.replace(self, **fields)
 
   def _asdict(self) -> dict:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+_FLAX: list = []
+
+
+def _for_flax() -> None:
+  """:class:`LossScaleState` in ``flax.serialization``'s registry, once flax
+  is loaded: ``to_state_dict`` / ``to_bytes`` / ``from_bytes`` read it as
+  the NamedTuple it was, field by field (big_vision names a state's leaves
+  through ``to_state_dict``; an unregistered class is left an object there,
+  and ``to_bytes`` refuses it)."""
+  ser = sys.modules.get("flax.serialization")
+  if _FLAX or ser is None:
+    return
+  _FLAX.append(ser)
+  names = [f.name for f in dataclasses.fields(LossScaleState)]
+  ser.register_serialization_state(
+      LossScaleState,
+      lambda s: {k: ser.to_state_dict(getattr(s, k)) for k in names},
+      lambda s, d: s._replace(**{k: ser.from_state_dict(getattr(s, k), d[k], name=k)
+                                 for k in names}),
+      override=True)
 
 
 def _count(state: LossScaleState, overflow) -> LossScaleState:
