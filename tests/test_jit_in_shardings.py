@@ -142,3 +142,28 @@ def test_other_arguments_mismatched_are_left_to_jax():
     step(params, state, jax.device_put(x, rep))
   assert "Sharding passed to jit does not match" in str(e.value)
   assert "zero1" not in str(e.value)
+
+
+def test_a_batch_on_a_mesh_of_its_own_trains_as_optax():
+  """big_vision places its batch on ``Mesh(devices, ("devices",))`` and its
+  train state on a mesh of its config, over the same devices. optax runs
+  there; zero1's read of the state's placement made jax require one mesh
+  for the whole program ("mesh should be the same across the entire
+  program"). It runs now, as optax does, and the read still warns of a
+  state placed whole."""
+  mesh, rep, rows, params, _, make = _program(AxisType.Auto)
+  other = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (N, 16)),
+                     NamedSharding(other, P("devices")))
+  tx = z1.zero1(optax.adam(LR), axis_name="data", mesh=mesh)
+  step, ref = jax.jit(make(tx)), jax.jit(make(optax.adam(LR)))
+  p, s, q, r = params, tx.init(params), params, optax.adam(LR).init(params)
+  for _ in range(STEPS):
+    p, s = step(p, s, x)
+    q, r = ref(q, r, x)
+  for k in p:
+    np.testing.assert_allclose(p[k], q[k], rtol=0, atol=_atol(q[k]))
+  whole = jax.device_put(tx.init(params), rep)
+  with pytest.warns(UserWarning, match="places zero1's optimizer state other "
+                    "than zero1 planned"):
+    jax.jit(make(tx))(params, whole, x)

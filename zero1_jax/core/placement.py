@@ -261,7 +261,7 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
       nbytes = math.prod(shape) * jnp.dtype(x.dtype).itemsize
       report.add(i, nbytes, "ok" if tuple(shape) == pieces[i]
                  else f"placed {getattr(sharding, 'spec', sharding)}")
-    out[i] = seen_sharding.inspect(x, seen)   # no run-time effect
+    out[i] = seen_sharding.inspect(x, seen, tuple(sizes.items()))   # no run-time effect
   return treedef.unflatten(out)
 
 
