@@ -175,3 +175,51 @@ def test_a_cnn_with_pooling_and_lambdas_trains_as_optax(grad):
   for x in jax.tree.leaves(state):
     if x.ndim:
       assert x.addressable_shards[0].data.size * 8 == x.size, x.sharding
+
+
+class _Scaled(eqx.Module):
+  """A model whose leaves are not all float arrays: an int field (a leaf
+  ``eqx.filter_grad`` gives None) and the MLP's activation functions."""
+  n: int
+  mlp: eqx.nn.MLP
+
+  def __call__(self, x):
+    return self.mlp(x) * self.n
+
+
+@pytest.mark.parametrize("init", ["filtered", "whole"])
+def test_the_whole_model_given_to_init_and_update_trains_as_optax(init):
+  """Equinox's examples hand the optimizer the whole model: its
+  frozen-layer example ``optim.init(model)`` (activation functions among
+  the leaves; optax's sgd ignores them), its vision transformer
+  ``optimizer.update(grads, state, model)`` (int fields, whose grads are
+  None). zero1 raised "Cannot determine dtype" and "grads tree does not
+  match the parameter tree" there; both now train as optax does."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  data = NamedSharding(mesh, P("data"))
+  xs = jax.random.normal(jax.random.key(1), (K, 16, 6))
+  loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
+
+  def train(tx, whole):
+    model = _Scaled(2, _mlp())
+    state = tx.init(model if whole else eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, state, x):
+      g = eqx.filter_grad(loss)(model, x)
+      u, state = tx.update(g, state, model)
+      return eqx.apply_updates(model, u), state
+
+    for x in xs:
+      model, state = step(model, state, jax.device_put(x, data))
+    return model, state
+
+  want, _ = train(optax.adamw(1e-2), False)
+  got, state = train(z1.zero1(optax.adamw(1e-2), axis_name="data", mesh=mesh),
+                     init == "whole")
+  assert got.n == 2
+  assert_close(jax.tree.leaves(eqx.filter(got, eqx.is_array)),
+               jax.tree.leaves(eqx.filter(want, eqx.is_array)), RTOL, "eqx ")
+  for x in jax.tree.leaves(state):
+    if x.ndim:
+      assert x.addressable_shards[0].data.size * 8 == x.size, x.sharding

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from zero1_jax.core import layout as lay
@@ -49,12 +50,38 @@ class _Master:
     return "<zero1 master copies>"
 
 
+_SCALARS = (bool, int, float, complex)
+
+
 def arrays(tree: Any) -> Any:
   """Python scalar leaves (float, int, complex, bool) as jnp arrays, as
   optax's init and update make them (``jnp.zeros_like(1.0)`` is a float32
-  scalar); other leaves as they are."""
-  return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(
-      x, (bool, int, float, complex)) else x, tree)
+  scalar); other leaves as :func:`no_objects` leaves them."""
+  return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, _SCALARS)
+                      else x, no_objects(tree))
+
+
+def no_objects(tree: Any) -> Any:
+  """``tree`` with None at each leaf that is neither an array nor a Python
+  scalar (an Equinox model's activation function, a string): nothing to
+  train there, as optax's ``sgd`` reads it. Boxes and Variables stay."""
+  return jax.tree.map(lambda x: x if isinstance(x, _SCALARS) or (
+      hasattr(x, "dtype") and hasattr(x, "shape")) else None, tree)
+
+
+def untrained(params: Any, grads: Any) -> Any:
+  """``params`` with None where ``grads`` holds None at a leaf that is no
+  float array (an Equinox model passed whole to ``tx.update``: its int and
+  bool fields, which ``eqx.filter_grad`` gives None), as optax's updates
+  skip them; ``params`` as it is where the trees differ otherwise."""
+  is_none = lambda x: x is None
+  try:
+    return jax.tree.map(
+        lambda g, p: None if g is None and not jnp.issubdtype(
+            getattr(p, "dtype", np.dtype(object)), jnp.inexact) else p,
+        grads, params, is_leaf=is_none)
+  except (ValueError, TypeError):
+    return params
 
 
 def is_placeholder(params: Any) -> bool:

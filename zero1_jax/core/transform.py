@@ -211,7 +211,7 @@ class _Calls:
       return proto.placeholder_state(
           tx.inner, (tx.config.loss_scale or precision.NoLossScale()).init())
     refusal.check_params(params)
-    like = params
+    like = params = proto.no_objects(params)
     # The state holds bare arrays; Python scalars become arrays, as optax's
     # init makes them (jnp.zeros_like(1.0) is a float32 scalar).
     params = proto.arrays(pax.strip_variables(params))
@@ -226,6 +226,8 @@ class _Calls:
     grads, extra_args = proto.updates_arg(updates, extra_args)
     refusal.check_params(params)
     given = params is not None
+    if given:   # a whole Equinox model: its non-float fields' grads are None
+      params = proto.untrained(params, grads)
     if not given:   # optax's update(grads, state): the grads stand in
       params = params_free.stand_in(proto.arrays(pax.strip_variables(grads)),
                                     tx.config.master_dtype)
