@@ -97,3 +97,14 @@ def test_names():
       == "optax.inject_hyperparams(optax.adamw)"
   assert blame.name(optax.with_extra_args_support(optax.scale(1.0))) \
       == "optax.scale"
+
+
+def test_a_deprecated_alias_is_neither_named_nor_read_aloud():
+  """optax still exports ``optax.differentially_private_aggregate``, reading
+  it warns that it is deprecated: the refusal names the contrib one, and
+  the user's screen gets no DeprecationWarning from zero1's lookup."""
+  import warnings
+  tx = optax.contrib.differentially_private_aggregate(1.0, 0.1, 0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)
+    assert blame.name(tx) == "optax.contrib.differentially_private_aggregate"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from typing import Any, Callable
 
 import optax
@@ -68,7 +69,10 @@ def _own_update(tx: Any) -> Any:
 def _public(base: str, module: str) -> str:
   """``optax.<base>`` / ``optax.contrib.<base>`` where optax exports it."""
   for pkg in (optax, optax.contrib):
-    if getattr(pkg, base, None) is not None:
+    with warnings.catch_warnings(record=True) as said:   # a deprecated alias
+      warnings.simplefilter("always")                   # warns when read
+      found = getattr(pkg, base, None) is not None
+    if found and not any(issubclass(w.category, DeprecationWarning) for w in said):
       return f"{pkg.__name__}.{base}"
   return f"{module}.{base}"
 
