@@ -108,3 +108,18 @@ def test_a_deprecated_alias_is_neither_named_nor_read_aloud():
   with warnings.catch_warnings():
     warnings.simplefilter("error", DeprecationWarning)
     assert blame.name(tx) == "optax.contrib.differentially_private_aggregate"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.scale_by_zoom_linesearch(max_linesearch_steps=15),
+    lambda: optax.chain(optax.sgd(1.0), optax.scale_by_backtracking_linesearch(
+        max_backtracking_steps=15))])
+def test_a_line_search_is_refused_as_one(make):
+  """A line search's update needs value_fn, which evaluates the whole
+  params: the refusal says so, rather than asking for arguments that would
+  not make it run."""
+  with jax.set_mesh(mesh(8)), pytest.raises(ValueError) as e:
+    z1.zero1(make(), axis_name="data").init({"w": jnp.ones((16, 3))})
+  msg = str(e.value)
+  assert "It is a line search" in msg and "plain data parallel" in msg, msg
+  assert "checks the optimizer with scalars" not in msg, msg

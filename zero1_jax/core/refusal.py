@@ -110,8 +110,13 @@ def refusal(why: str, where: str = "") -> str:
   if not why.startswith(_API_REASONS):
     return REFUSAL.format(why=shown)
   extra = ""
-  if ("required keyword-only argument" in why or "required positional" in why
-      or "KeyError" in why):
+  if "'value_fn'" in why:
+    extra = (" It is a line search: its update evaluates value_fn at trial "
+             "params, the whole params each time, while zero1 updates each "
+             "device's 1/N of them, so no argument zero1 passes makes it "
+             "run. Use it unsharded (plain data parallel).")
+  elif ("required keyword-only argument" in why or "required positional" in why
+        or "KeyError" in why):
     extra = (" This one needs more (a loss value=, a schedule's argument, a "
              "per-example gradient or a function to evaluate): zero1 forwards "
              "tx.update's extra keyword arguments, tx.update(..., "
