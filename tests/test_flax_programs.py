@@ -223,7 +223,9 @@ def test_state_on_another_dim_warns_though_bytes_match():
     with pytest.warns(UserWarning, match=PLACED) as w:
       tx.update({"w": jnp.ones((16, 8))}, other, params)
   msg = next(str(x.message) for x in w if PLACED in str(x.message))
-  assert "2 of 2 state leaves" in msg and "64 B per device, planned 64 B" in msg, msg
+  assert "2 of 2 state leaves" in msg, msg
+  assert "placed P(None, 'data'), 64 B per device, planned P('data', None), 64 B" in msg, msg
+  assert "The bytes are as planned (128 B per device), split on other dims" in msg, msg
 
 
 def test_host_state_is_placed_not_warned():

@@ -120,9 +120,10 @@ def fix_for_replicated() -> str:
 class _Report:
   """Collects the per-leaf measurements of one check and warns once."""
 
-  def __init__(self, names, planned, expected, whole=None):
+  def __init__(self, names, planned, expected, whole=None, specs=None):
     self.names, self.planned, self.expected = names, planned, expected
     self.whole = whole or {}   # leaf -> its bytes if whole on each device
+    self.specs = specs or {}   # leaf -> zero1's spec for it
     self.got: dict[int, tuple[int, str]] = {}
     # The program's line while its update is traced: a compile-time report
     # may run where no frame of the program is on the stack.
@@ -145,14 +146,20 @@ class _Report:
     held = sum(b for b, _ in self.got.values())
     plan = sum(self.planned[i] for i in self.got)
     first = bad[0]
+    spec = self.specs.get(first)
+    measured = (
+        f"Measured: {held} B of zero1's state per device where zero1 planned "
+        f"{plan} B; a step given it placed so re-shards it. " if held != plan
+        else f"The bytes are as planned ({held} B per device), split on "
+        f"other dims: a step given the state so re-shards those leaves (an "
+        f"all-to-all of their bytes each step). ")
     _warn_at_user_line(
         f"zero1: this program places zero1's optimizer state other than "
         f"zero1 planned: {len(bad)} of {len(self.got)} state leaves (e.g. "
         f"{self.names[first]}: {self.got[first][1]}, "
         f"{self.got[first][0]} B per device, planned "
-        f"{self.planned[first]} B). Measured: {held} B of zero1's state per "
-        f"device where zero1 planned {plan} B; a step given it placed so "
-        f"re-shards it. "
+        + (f"{spec}, " if spec is not None else "")
+        + f"{self.planned[first]} B). " + measured
         + (fix_for_replicated()
            if all(self.got[i][0] == self.whole.get(i) for i in bad) else FIX),
         self.site)
@@ -222,7 +229,8 @@ def check(state: Any, specs: Any, sizes: Mapping[str, int],
             for i in idx}
   whole = {i: math.prod(np.shape(leaves[i])) * jnp.dtype(leaves[i].dtype).itemsize
            for i in idx}
-  report = _Report(paths, planned, len(idx), whole)
+  report = _Report(paths, planned, len(idx), whole,
+                   {i: spec_leaves[i] for i in idx})
   out = list(leaves)
   for i in idx:
     x, spec = leaves[i], spec_leaves[i]
