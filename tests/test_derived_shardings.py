@@ -284,3 +284,44 @@ def test_fsdp_params_keep_optax_and_are_refused_naming_it():
                      r"sharding.*keep the plain optax optimizer"):
     jax.eval_shape(make_init(z1.zero1(optax.adamw(1e-2), axis_name="data",
                                       mesh=mesh)), jax.random.key(0))
+
+
+def test_regex_specs_of_the_abstract_state_fit_the_init_under_a_legacy_mesh():
+  """EasyLM's pattern: ``jax.eval_shape`` of the init outside any mesh, its
+  regex rules mapped over that abstract state's paths (walking into
+  zero1's boxes), then the init pjitted under the legacy ``with mesh:``
+  with those specs as ``out_shardings``. The pjit sets the abstract mesh
+  inside, where zero1 made the state bare, so JAX failed with a "pytree
+  structure error" naming no zero1. Both now have the same structure; the
+  regex rules' ``P('fsdp', 'mp')`` replicates the state, which zero1 then
+  names at the step."""
+  import re
+  from jax.experimental.pjit import pjit
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(N, 1, 1),
+                           ("dp", "fsdp", "mp"))
+  model = nn.Dense(8)
+  tx = z1.zero1(optax.adamw(1e-3), axis_name="dp", mesh=mesh)
+  init = lambda key: TrainState.create(
+      params=model.init(key, jnp.zeros((4, 8))), tx=tx, apply_fn=None)
+
+  def regex_specs(tree):
+    def spec(path, leaf):
+      name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                      for k in path)
+      return P() if not leaf.shape else (
+          P("fsdp", "mp") if re.search("kernel", name) else P(None))
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+  shapes = jax.eval_shape(init, jax.random.key(0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)   # pjit, `with mesh:`
+    with mesh:
+      state = pjit(init, out_shardings=regex_specs(shapes))(jax.random.key(0))
+  assert (jax.tree.structure(state.opt_state)
+          == jax.tree.structure(shapes.opt_state))
+  x = jax.device_put(jnp.ones((N, 8)), NamedSharding(mesh, P("dp")))
+  step = jax.jit(lambda s, x: s.apply_gradients(grads=jax.grad(
+      lambda p: jnp.mean(model.apply(p, x) ** 2))(s.params)))
+  with pytest.warns(UserWarning, match="places zero1's optimizer state other "
+                    "than zero1 planned"):
+    step(state, x)

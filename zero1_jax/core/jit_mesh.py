@@ -102,6 +102,16 @@ def find_mesh(axis: str, *trees: Any, fallback: Any = None,
                  f"argument has a NamedSharding with axis '{axis}')")
 
 
+def legacy_mesh() -> bool:
+  """Whether a legacy ``with mesh:`` context is set (EasyLM, t5x: deprecated
+  by jax, which sets the abstract mesh only inside a pjit there)."""
+  try:   # private, 0.10.2 to 0.12
+    from jax._src.mesh import thread_resources
+    return not thread_resources.env.physical_mesh.empty
+  except (ImportError, AttributeError):   # pragma: no cover - another jax
+    return False
+
+
 def off_mesh(mesh: Any, trees: dict[str, Any]) -> str | None:
   """A leaf committed to other devices than ``mesh``'s (e.g. one device),
   named with its devices; None if every committed array is on the mesh."""

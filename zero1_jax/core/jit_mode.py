@@ -177,8 +177,11 @@ def init(tx: Any, params: Any, like: Any = None) -> Any:
   rules = (tx.config.logical_axis_rules or boxes.context_rules()
            or getattr(tx, "seen_rules", ()))
   # zero1(mesh=) outside jax.set_mesh: a program placing what it derives
-  # from the (abstract) state's metadata, e.g. nn.get_sharding.
-  no_context = jax.sharding.get_abstract_mesh().empty
+  # from the (abstract) state's metadata, e.g. nn.get_sharding. Inside the
+  # legacy `with mesh:` as well: a pjit there sets the abstract mesh, and
+  # EasyLM's jax.eval_shape of the init outside it must give the state the
+  # structure its pjit inside gives (its regex specs walk into the boxes).
+  no_context = jax.sharding.get_abstract_mesh().empty or jit_mesh.legacy_mesh()
   bare = tx.config.mesh is not None and no_context
   own = mesh if no_context and isinstance(mesh, jax.sharding.Mesh) else None
   return boxes.box_state(state, specs, like, rules, sizes, axis, bare=bare,
