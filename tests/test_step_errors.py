@@ -126,6 +126,20 @@ def test_wrong_tree_in_update_names_the_path():
                           in_specs=(P(), specs), out_specs=(P(), specs)))(p, s)
 
 
+def test_a_state_made_for_other_params_names_the_fix():
+  """penzai's trainer inits on every parameter and updates only the
+  trainable ones: in plain jit JAX's "Tuple arity mismatch" named neither
+  the state nor the fix."""
+  m = mesh(8)
+  full = jax.device_put((jnp.ones((8, 32)), jnp.ones(32), jnp.ones((32, 8))),
+                        NamedSharding(m, P()))
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=m)
+  state = tx.init(full)
+  with pytest.raises(ValueError, match=r"zero1: opt_state does not fit the "
+                     r"params given to tx.update .*\(3 leaves there, 2 here\)"):
+    jax.jit(tx.update)(full[1:], state, full[1:])
+
+
 def test_update_refuses_gradients_jax_already_summed():
   """Inside a shard_map that tracks varying axes (check_vma, its default),
   jax.grad with respect to params that entered as P() psums the per-device

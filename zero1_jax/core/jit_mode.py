@@ -188,6 +188,31 @@ def init(tx: Any, params: Any, like: Any = None) -> Any:
                          mesh=own)
 
 
+STATE_TREE = (
+    "zero1: opt_state does not fit the params given to tx.update ({error}): "
+    "tx.init made it for another params tree ({have} leaves there, {want} "
+    "here). Pass tx.update the tree tx.init was given, the same leaves in "
+    "the same structure (a frozen part: give init and update only the "
+    "trained params, or keep it in both and mask it, e.g. "
+    "optax.set_to_zero() through optax.multi_transform).")
+
+
+def _check_state_tree(state: Any, specs: Any, params: Any) -> None:
+  """ValueError (:data:`STATE_TREE`) where ``state`` is not the structure
+  ``tx.init`` gives ``params`` (``specs``: its specs); JAX's own error
+  there ("Tuple arity mismatch") named neither."""
+  is_p = lambda s: isinstance(s, P)
+  try:
+    jax.tree.structure(specs, is_leaf=is_p).flatten_up_to(state)
+  except (ValueError, TypeError) as e:
+    master = getattr(state, "master", None)
+    have = "?" if master is None else len(jax.tree.leaves(
+        master, is_leaf=lambda x: x is None))
+    want = len(jax.tree.leaves(params, is_leaf=lambda x: x is None))
+    raise ValueError(STATE_TREE.format(error=str(e).split(";")[0], have=have,
+                                       want=want)) from None
+
+
 def _as_blocks(grads: Any, g_specs: Any, layout: lay.Layout, mesh: Any,
                where: Any, axis: str) -> tuple[Any, Any]:
   """jax.grad's reduced gradients entering ``tx.update``'s shard_map as
@@ -266,6 +291,7 @@ def update(tx: Any, grads: Any, state: Any, params: Any,
       g_specs, grads = _as_blocks(grads, g_specs, layout, mesh, where, axis)
   p_specs = _in_specs(params, pa, axis, _typed(axis, "reduced"), sizes)
   s_specs = zspecs.state_specs(tx, params, n, pa)
+  _check_state_tree(state, s_specs, params)
   if tx.config.check_placement:
     state = placement.check(state, s_specs, sizes, axis)
     if tx.config.offload:
