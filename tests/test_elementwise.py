@@ -260,3 +260,25 @@ def test_the_check_runs_under_a_programs_transfer_guard():
     assert ew.probe_reason(optax.sgd(LR), layout) is None
     why = ew.probe_reason(optax.contrib.dadapt_adamw(), layout)
   assert "its state on N=4 shards differs" in why, why   # refused for its own reason
+
+
+def test_selective_transform_with_a_mask_of_the_params_trains_as_optax():
+  """The sweep lists ``optax.selective_transform`` as refused because its
+  mask there leaves out the tree's integer and zero-size leaves (zero1
+  hands the inner init None there). A mask mirroring the params, as optax
+  asks, trains as optax: the frozen leaves kept, the others optax's."""
+  params = float_part(odd_params())
+  mask = jax.tree.map(lambda x: x.ndim == 1, params)
+  make = lambda: optax.selective_transform(optax.adam(LR), freeze_mask=mask)
+  batches = [batch(16, seed=s) for s in range(STEPS)]
+  want = optax_run(make(), params, batches)
+  tx = z1.zero1(make(), axis_name="data")
+  step = jax.jit(lambda p, s, b: (lambda u_s: (optax.apply_updates(p, u_s[0]), u_s[1]))(
+      tx.update(jax.grad(loss_fn)(p, b), s, p)))
+  with jax.set_mesh(mesh(N)):
+    p, s = params, tx.init(params)
+    for b in batches:
+      p, s = step(p, s, jax.device_put(b, jax.sharding.NamedSharding(
+          mesh(N), jax.sharding.PartitionSpec("data"))))
+  assert_close(p, want, FP32_REORDER, "selective ")
+  np.testing.assert_array_equal(p["dense"]["bias"], params["dense"]["bias"])
