@@ -82,6 +82,21 @@ def test_the_placement_is_still_read_when_the_step_compiles():
   assert len(seen) == 1   # cached: no run-time call
 
 
+@pytest.mark.parametrize("spec", [P("data"), P(None, "model"), P(("data", "model")),
+                                  P()])
+def test_the_placement_read_without_devices_gives_jaxs_shard_shape(spec):
+  """Where the program has no device list (the read no longer asks for
+  one), the partitioner's answer is read from its tiles: the shard shape
+  and spec jax's own NamedSharding gives, partial replication included."""
+  from zero1_jax.core import seen_sharding
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  want = NamedSharding(mesh, spec)
+  seen = seen_sharding._read(want._to_xla_hlo_sharding(2),
+                             (("data", 4), ("model", 2)))
+  assert seen.shard_shape((16, 6)) == want.shard_shape((16, 6))
+  assert seen.spec == spec
+
+
 def _no_host_callback(compiled):
   call = getattr(getattr(compiled, "_executable", None), "unsafe_call", None)
   if call is not None and hasattr(call, "has_host_callbacks"):
