@@ -296,7 +296,9 @@ def test_regex_specs_of_the_abstract_state_fit_the_init_under_a_legacy_mesh():
   regex rules' ``P('fsdp', 'mp')`` replicates the state, which zero1 then
   names at the step."""
   import re
-  from jax.experimental.pjit import pjit
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)   # EasyLM's pjit
+    from jax.experimental.pjit import pjit
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(N, 1, 1),
                            ("dp", "fsdp", "mp"))
   model = nn.Dense(8)
