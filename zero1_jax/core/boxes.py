@@ -45,7 +45,16 @@ from typing import Any, Mapping
 import jax
 from jax.sharding import PartitionSpec as P
 
-_DROP = ("out_sharding", "sharding_rules", "optimizer_sharding", "opt_sharding")
+# A param Variable's metadata that would undo zero1's spec on a state
+# Variable made from it: its sharding under each name flax reads (flax maps
+# the deprecated 'sharding' and 'sharding_names' onto 'out_sharding' each time
+# a Variable is made, as nnx.Optimizer makes its OptVariables), the rules
+# it is read through, placements asked for the optimizer, and the scan axis
+# a program inserts into an unscanned spec (nnx.PARTITION_NAME, MaxText's
+# 'param_scan_axis'): zero1's spec has every dim already.
+_DROP = ("out_sharding", "sharding", "sharding_names", "sharding_rules",
+         "optimizer_sharding", "opt_sharding", "partition_name",
+         "param_scan_axis")
 
 
 def is_box(x) -> bool:
@@ -363,7 +372,11 @@ def box_state(state: Any, specs: Any, like: Any, rules: Any = (),
           spec, template, rules, sizes, data_axis, own=bool(mine)))
     meta = {k: v for k, v in template.get_metadata().items()
             if k not in _DROP}
-    meta["out_sharding"] = tuple(spec)
+    # Mesh axes as 1-tuples: a program that reads every Variable's names
+    # through linen's logical rules (MaxText) turns a name no rule maps into
+    # None, and passes a tuple through; PartitionSpec folds it back.
+    meta["out_sharding"] = tuple((e,) if isinstance(e, str) else e
+                                 for e in spec)
     if mesh is not None and meta.get("mesh") is None:
       meta["mesh"] = mesh
     return type(template).from_metadata(x, meta)

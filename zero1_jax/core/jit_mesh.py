@@ -157,8 +157,9 @@ def param_axes(tx: Any, params: Any, mesh: Any) -> pax.ParamAxes | None:
                    rules=rules or getattr(tx, "seen_rules", None))
   wrapped = lambda x: boxes.is_box(x) or boxes.is_variable(x)
   from_meta = any(boxes.is_box(x) or (boxes.is_variable(x) and boxes.variable_axes(
-      x, dict(mesh.shape), rules, "") is not None)
-                  for x in jax.tree.leaves(params, is_leaf=wrapped))
+      x, dict(mesh.shape), rules, jax.tree_util.keystr(p)) is not None)
+                  for p, x in jax.tree_util.tree_flatten_with_path(
+                      params, is_leaf=wrapped)[0])
   params = boxes.strip(params)
   leaves = jax.tree.leaves(params)
   # Shapes and dtypes, not the treedef: nnx hands init and update the same
