@@ -20,6 +20,7 @@ Weights bound: as tests/test_flax_programs.py (the same plain-jit mode and
 Adam chain): 36 K u relative to each leaf's scale over K steps.
 """
 
+import dataclasses
 import warnings
 
 import jax
@@ -327,3 +328,39 @@ def test_regex_specs_of_the_abstract_state_fit_the_init_under_a_legacy_mesh():
   with pytest.warns(UserWarning, match="places zero1's optimizer state other "
                     "than zero1 planned"):
     step(state, x)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Named:
+  """A leaf container of the program's own, as haliax's ``NamedArray``: an
+  array and its axis names (static)."""
+  array: jax.Array
+  axes: tuple = dataclasses.field(metadata=dict(static=True))
+
+
+def test_state_in_the_programs_own_containers_is_not_boxed():
+  """zero1(mesh=) outside jax.set_mesh boxes the sharded state leaves for
+  flax's readers only where the params sit in dicts and lists (nanodo,
+  above). In a container of the program's own (levanter's params hold
+  haliax NamedArrays), each state leaf stays the array the program
+  expects there: levanter's checkpoint saves the array-like leaves of its
+  NamedArrays (a box was skipped: the moments were not saved), and an
+  eager init still places the state 1/N."""
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = z1.zero1(optax.adam(1e-2), axis_name="data", mesh=mesh)
+  params = {"w": Named(jnp.ones((16, 8)), ("embed", "mlp")),
+            "b": Named(jnp.zeros((8,)), ("mlp",))}
+  is_named = lambda x: isinstance(x, Named)
+  held = [n.array for n in jax.tree.leaves(jax.eval_shape(tx.init, params),
+                                           is_leaf=is_named)
+          if is_named(n) and n.array is not None]
+  assert len(held) == 4, held                    # mu and nu of w and b
+  assert all(isinstance(a, jax.ShapeDtypeStruct) for a in held), held
+  nanodo = jax.eval_shape(tx.init, {"w": jnp.ones((16, 8))})
+  is_box = z1.core.boxes.is_state_box
+  assert any(map(is_box, jax.tree.leaves(nanodo, is_leaf=is_box))), nanodo
+  state = tx.init(params)
+  moments = 2 * 4 * (16 * 8 + 8)      # divide by 8: no padding
+  scalars = sum(a.nbytes for a in jax.tree.leaves(state) if a.ndim == 0)
+  assert device0_bytes(state) - scalars == moments // N, state

@@ -126,6 +126,18 @@ def check_fp16_scale(tx: Any, params: Any) -> None:
     raise ValueError(FP16_NEEDS_SCALE.format(where=where))
 
 
+def _dicts_only(params: Any) -> bool:
+  """Params held in dicts and sequences only, as flax's are: the trees
+  flax's readers (``nn.get_sharding``) walk, where a bare leaf reads as
+  replicated. In other containers (Equinox modules, haliax's ``NamedArray``)
+  a box would sit where the program expects an array: haliax places it by
+  the ``NamedArray``'s axes all the same, and levanter's checkpoint skips
+  it (the moments would not be saved)."""
+  plain = (jax.tree_util.DictKey, jax.tree_util.SequenceKey)
+  return all(isinstance(k, plain) for path, _ in
+             jax.tree_util.tree_flatten_with_path(params)[0] for k in path)
+
+
 def init(tx: Any, params: Any, like: Any = None) -> Any:
   """``tx.init(params)`` outside shard_map: ``tx.init_from`` (the
   per-device init) inside a shard_map over the found mesh; the state
@@ -182,7 +194,7 @@ def init(tx: Any, params: Any, like: Any = None) -> Any:
   # EasyLM's jax.eval_shape of the init outside it must give the state the
   # structure its pjit inside gives (its regex specs walk into the boxes).
   no_context = jax.sharding.get_abstract_mesh().empty or jit_mesh.legacy_mesh()
-  bare = tx.config.mesh is not None and no_context
+  bare = tx.config.mesh is not None and no_context and _dicts_only(like)
   own = mesh if no_context and isinstance(mesh, jax.sharding.Mesh) else None
   return boxes.box_state(state, specs, like, rules, sizes, axis, bare=bare,
                          mesh=own)
