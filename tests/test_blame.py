@@ -25,6 +25,10 @@ def _own_reduction():
   return optax.stateless(lambda g, p: jax.tree.map(lambda x: x / jnp.sum(x), g))
 
 
+def _clipped_adamw(learning_rate):
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate))
+
+
 CASES = {
     "adafactor": (lambda: optax.adafactor(1e-3),
                   "optax.clip_by_block_rms (element 1 of optax.chain): "
@@ -49,7 +53,15 @@ CASES = {
               "optax.scale_by_factored_rms: state leaf .v_row['w']"),
     "inject_hyperparams": (
         lambda: optax.inject_hyperparams(optax.lamb)(learning_rate=1e-3),
-        "optax.inject_hyperparams(optax.lamb): reduce_sum"),
+        "optax.scale_by_trust_ratio (element 2 of optax.chain, in "
+        "optax.inject_hyperparams(optax.lamb)): reduce_sum"),
+    # levanter's optimizers: a factory of its own, a schedule as a
+    # hyperparameter, the clip inside.
+    "inject_hyperparams of one's own": (
+        lambda: optax.inject_hyperparams(_clipped_adamw)(
+            learning_rate=optax.linear_schedule(1e-3, 0.0, 10)),
+        "optax.clip_by_global_norm (element 0 of optax.chain, in "
+        "optax.inject_hyperparams(test_blame._clipped_adamw)): reduce_sum"),
     # Its 'muon' group cannot run alone on the 1-D params (Newton-Schulz
     # wants matrices), the 'adam' group passes: the group is named.
     "muon": (lambda: optax.contrib.muon(1e-3),

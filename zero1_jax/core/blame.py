@@ -109,6 +109,16 @@ def parts(tx: Any) -> list[tuple[str, Any]]:
     found = dict(vars(upd.__self__))
   else:
     found = {**_closure(tx.init), **_closure(upd)}
+  if "inner_factory" in found and "numeric_hps" in found:
+    # optax.inject_hyperparams: the transformation its factory builds (at
+    # the hyperparameters' first values) is its one part.
+    try:
+      hps = {**found.get("other_hps", {}), **found["numeric_hps"],
+             **{k: f(f.init()) for k, f in found.get("sched_hps", {}).items()}}
+      inner = found["inner_factory"](**hps)
+    except Exception:  # noqa: BLE001 - a factory that cannot be built here
+      return []
+    return [("", inner)] if _is_tx(inner) else []
   if "init_fns" in found and "update_fns" in found:   # optax.chain
     return [(f"element {i}", optax.GradientTransformationExtraArgs(i_fn, u_fn))
             for i, (i_fn, u_fn) in enumerate(zip(found["init_fns"],
